@@ -1,0 +1,58 @@
+# csd-pipeline: every target does its own set-up (virtual environment, packages, fixtures).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+FIX_STAMP := $(VENV)/.fixtures-stamp
+
+STUDENT ?= llama-bpe
+TEACHER ?= qwen2
+TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
+
+.PHONY: help venv fixtures test tables demo bench bench-quality lint clean
+
+help:
+	@echo "make demo        run the whole pipeline on the embedded default"
+	@echo "make test        run the test suite"
+	@echo "make tables      STUDENT=... TEACHER=... build both tables, then validate"
+	@echo "make bench       speed benchmarks (table + JSON in bench-results/)"
+	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	# torch first and pinned: an open range would pull a multi-GB CUDA build.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+fixtures: venv
+	$(PY) -m csd_pipeline.fixtures
+
+test: fixtures
+	$(PY) -m pytest -q tests
+
+# STUDENT / TEACHER: a fixture name (llama-bpe, qwen2, gpt-2, llama-spm, smollm2) or a tokenizer path.
+tables: fixtures
+	@mkdir -p $(TABLES_DIR)
+	$(VENV)/bin/csd-pipeline tables build --source-tokenizer $(STUDENT) --destination-tokenizer $(TEACHER) --output $(TABLES_DIR)/student_to_teacher.safetensors
+	$(VENV)/bin/csd-pipeline tables build --source-tokenizer $(TEACHER) --destination-tokenizer $(STUDENT) --output $(TABLES_DIR)/teacher_to_student.safetensors
+	$(VENV)/bin/csd-pipeline tables validate --student-tokenizer $(STUDENT) --teacher-tokenizer $(TEACHER) --student-to-teacher $(TABLES_DIR)/student_to_teacher.safetensors --teacher-to-student $(TABLES_DIR)/teacher_to_student.safetensors
+
+demo: fixtures
+	$(PY) -m csd_pipeline.demo
+
+bench: fixtures
+	$(PY) bench/run_all.py
+
+bench-quality: fixtures
+	$(PY) bench/bench_quality.py
+
+lint: venv
+	$(VENV)/bin/ruff check csd_pipeline cli trainer schemas tests bench
+
+clean:
+	rm -rf out bench-results

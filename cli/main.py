@@ -1,0 +1,86 @@
+"""`csd-pipeline`: the offline stages (tables, align, teacher-logits) and their tools.
+
+Subcommands live in their own modules and are imported only when invoked, so that
+`csd-pipeline --help` never imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+# name -> "module:attribute" of a click command or group.
+SUBCOMMANDS = {
+    "tables": "cli.tables:tables",
+    "align": "cli.align:align",
+    "teacher-logits": "cli.teacher_logits:teacher_logits",
+    "status": "cli.outputs:status",
+    "inspect": "cli.outputs:inspect",
+    "fixtures": "cli.fixtures:fixtures",
+}
+
+HELP_LINES = {
+    "tables": "Build, validate and inspect byte-exact sub-token tables.",
+    "align": "Tokenize a corpus with both tokenizers and align it into shards.",
+    "teacher-logits": "Run the teacher once and store its top-k log-probabilities.",
+    "status": "Say which shards of a stage output are complete and what is missing.",
+    "inspect": "Summarise a stage output: rows, tokens, chunk shapes, rejections.",
+    "fixtures": "Fetch, convert and verify the real tokenizer and model fixtures.",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx):
+        return list(SUBCOMMANDS)
+
+    def get_command(self, ctx, name):
+        target = SUBCOMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, HELP_LINES[name]) for name in SUBCOMMANDS]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="csd-pipeline")
+def cli():
+    """Offline cross-tokenizer distillation (CSD), one stage at a time."""
+
+
+def run_cli(command, argv=None) -> None:
+    """Run a click command, turning a `CsdError` into one line on stderr and exit code 2."""
+    from csd_pipeline.errors import CsdError
+
+    try:
+        command.main(args=argv, standalone_mode=False)
+    except CsdError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(err.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except click.exceptions.Exit as err:
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted; re-run the same command to resume", err=True)
+        sys.exit(130)
+
+
+def main(argv=None) -> None:
+    run_cli(cli, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The streaming CSD trainer (`csd-train`)."""
