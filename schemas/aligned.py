@@ -1,0 +1,118 @@
+"""Aligned shards: the declared Arrow schema (version 1) and the chunk status codes.
+
+One row is one window of one source document (SPEC §8). Columns:
+
+| column | type | meaning |
+|---|---|---|
+| `row_id` | string | `"{source}:{record_index}:{window_index}"`, stable across re-runs and worker counts |
+| `text` | string | the window's source text (UTF-8), exactly the bytes the content tokens cover |
+| `student_ids` | list<int32> | what the student is fed: the context token, then the content tokens |
+| `student_loss_mask` | list<bool> | tokens the student is trained on (every content token in text mode) |
+| `teacher{i}_ids` | list<int32> | what teacher i is fed (its own context token, then content tokens) |
+| `teacher{i}_chunk_student_len` | list<int32> | chunk c covers this many student tokens ... |
+| `teacher{i}_chunk_teacher_len` | list<int32> | ... and this many teacher tokens |
+| `teacher{i}_chunk_status` | list<uint8> | a `ChunkStatus` code per chunk |
+| `source` | string | the corpus file the document came from (as given, plus the path inside a directory) |
+| `record_index` | int64 | the document's index in that file (line, block, row) |
+| `window_index` | int32 | the window's index within the document |
+| `byte_start` | int64 | where the window starts in the document's UTF-8 bytes |
+
+The chunks of a row cover every token of both sides in order: chunk c covers student tokens
+`[s0, s0 + M)` and teacher tokens `[t0, t0 + N)`, where `s0`/`t0` are the running sums of the earlier
+chunks' lengths. Every row starts with the pair of context tokens as one 1:1 chunk with status
+`SPECIAL` (unless the align stage ran with `--no-context-token`).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+SCHEMA_VERSION = 1
+STAGE = "align"
+
+
+class ChunkStatus(IntEnum):
+    """Why a chunk is (or is not) a CSD event. Only `ACCEPTED` chunks enter the KD loss."""
+
+    ACCEPTED = 0
+    """Both token runs spell exactly the chunk's source bytes, and both have a predictor position."""
+    SPECIAL = 1
+    """Special tokens only (the context tokens at the start of a row); never content."""
+    NO_PREDICTOR = 2
+    """The first chunk of a row when a side has no context token before it (`--no-context-token`)."""
+    WHITESPACE_GAP_WITHOUT_SOURCE = 3
+    """The two runs differ from the source only in whitespace that the source does not confirm
+    (a tokenizer added or dropped whitespace at a boundary taken from character offsets)."""
+    MISMATCH = 4
+    """A run spells other bytes than the source (a normalizer changed the text, `<unk>`, ...)."""
+    OUTSIDE_LOSS_REGION = 5
+    """Chat mode: the chunk lies outside the final assistant message (context, not trained on)."""
+    UNTRUSTED_TOKEN = 6
+    """A run holds an added or special token whose text does not round-trip, so it has no spelling."""
+    DUMMY_PREFIX = 7
+    """SentencePiece: the first chunk of a document, whose first token carries the tokenizer's
+    dummy-prefix space. Kept for cross-entropy, excluded from KD."""
+    TOO_LONG = 8
+    """Reserved: a chunk longer than a window limit. The align stage never writes it; it drops
+    such a window region and counts it as the rejection `chunk_longer_than_window`."""
+
+
+SHAPES = ("1:1", "1:N", "M:1", "M:N")
+
+
+def shape_name(student_len: int, teacher_len: int) -> str:
+    """The shape class of a chunk with `student_len` student and `teacher_len` teacher tokens."""
+    if student_len == 1:
+        return "1:1" if teacher_len == 1 else "1:N"
+    return "M:1" if teacher_len == 1 else "M:N"
+
+
+def teacher_columns(i: int) -> tuple[str, str, str, str]:
+    """Column names of teacher `i`: ids, chunk student lengths, chunk teacher lengths, statuses."""
+    return (
+        f"teacher{i}_ids",
+        f"teacher{i}_chunk_student_len",
+        f"teacher{i}_chunk_teacher_len",
+        f"teacher{i}_chunk_status",
+    )
+
+
+def aligned_schema(num_teachers: int):
+    """The Arrow schema (version 1) of aligned shards with `num_teachers` teachers.
+
+    Raises ValueError when `num_teachers` < 1.
+    """
+    import pyarrow as pa
+
+    if num_teachers < 1:
+        raise ValueError(f"an aligned shard needs at least one teacher, got {num_teachers}")
+    fields = [
+        pa.field("row_id", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("student_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("student_loss_mask", pa.list_(pa.bool_()), nullable=False),
+    ]
+    for i in range(num_teachers):
+        ids, student_len, teacher_len, status = teacher_columns(i)
+        fields += [
+            pa.field(ids, pa.list_(pa.int32()), nullable=False),
+            pa.field(student_len, pa.list_(pa.int32()), nullable=False),
+            pa.field(teacher_len, pa.list_(pa.int32()), nullable=False),
+            pa.field(status, pa.list_(pa.uint8()), nullable=False),
+        ]
+    fields += [
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("record_index", pa.int64(), nullable=False),
+        pa.field("window_index", pa.int32(), nullable=False),
+        pa.field("byte_start", pa.int64(), nullable=False),
+    ]
+    metadata = {b"csd.schema": b"aligned", b"csd.schema_version": str(SCHEMA_VERSION).encode()}
+    return pa.schema(fields, metadata=metadata)
+
+
+def num_teachers_of(schema) -> int:
+    """How many teachers an aligned schema holds (counts `teacher{i}_ids` columns)."""
+    count = 0
+    while f"teacher{count}_ids" in schema.names:
+        count += 1
+    return count
