@@ -1,0 +1,75 @@
+"""`csd-pipeline tables build | validate | inspect`."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.group()
+def tables():
+    """Byte-exact sub-token tables between two vocabularies (both directions)."""
+
+
+@tables.command()
+@click.option("--source-tokenizer", required=True, help="tokenizer.json, tokenizer folder, hub name or fixture name.")
+@click.option("--destination-tokenizer", required=True, help="tokenizer.json, tokenizer folder, hub name or fixture name.")
+@click.option("--output", required=True, type=click.Path(dir_okay=False), help="Table file to write (.safetensors).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow a hub tokenizer's remote code (off by default).")
+@click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, quiet):
+    """Build the (source -> destination) table."""
+    from csd_pipeline.tables import build_table
+    from csd_pipeline.vocab import load_tokenizer
+
+    source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
+    destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code)
+    table = build_table(source, destination)
+    table.save(output)
+    if not quiet:
+        c = table.counts()
+        click.echo(
+            f"wrote {output}: {c['source_vocab_size']} -> {c['destination_vocab_size']} ids, "
+            f"{c['common_spellings']} common spellings, {c['prefix_entries']} prefix entries "
+            f"({c['canonical_multi_token_chains']} canonical multi-token chains)"
+        )
+
+
+@tables.command()
+@click.option("--student-tokenizer", required=True)
+@click.option("--teacher-tokenizer", required=True)
+@click.option("--student-to-teacher", required=True, type=click.Path(dir_okay=False))
+@click.option("--teacher-to-student", required=True, type=click.Path(dir_okay=False))
+@click.option("--sample", default=2000, show_default=True, help="Entries re-derived from the tokenizers per check.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def validate(student_tokenizer, teacher_tokenizer, student_to_teacher, teacher_to_student, sample, as_json):
+    """Check both tables against the tokenizers (fingerprints, direction, sampled entries)."""
+    from csd_pipeline.tables import load_table, validate_tables
+    from csd_pipeline.vocab import load_tokenizer
+
+    student = load_tokenizer(student_tokenizer)
+    teacher = load_tokenizer(teacher_tokenizer)
+    s2t = load_table(student_to_teacher)
+    t2s = load_table(teacher_to_student)
+    report = validate_tables(student, teacher, s2t, t2s, sample=sample)
+    if as_json:
+        click.echo(json.dumps({"ok": True, "tables": report}, sort_keys=True))
+    else:
+        click.echo(f"ok: {student_to_teacher} and {teacher_to_student} match {student_tokenizer} and {teacher_tokenizer}")
+
+
+@tables.command()
+@click.argument("table_file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect(table_file, as_json):
+    """Counts: vocab sizes, common spellings, prefix entries, spelling classes, specials."""
+    from csd_pipeline.tables import inspect_table
+
+    counts = inspect_table(table_file)
+    if as_json:
+        click.echo(json.dumps(counts, sort_keys=True))
+        return
+    width = max(len(k) for k in counts)
+    for key, value in counts.items():
+        click.echo(f"{key:<{width}}  {value}")
