@@ -1,0 +1,491 @@
+"""The CSD loss (SPEC §5) and the chunked student log-probabilities it gathers from.
+
+The loss side of CSD only gathers the student's log-probabilities at (position, token) pairs
+and sums them per chunk; every event was already enumerated on the CPU by `events.py`.
+
+- `chunked_token_logprobs(hidden, weight, positions, tokens)` computes log softmax(h W^T)[p, t]
+  for the requested pairs without ever holding a [positions x vocab] tensor for the whole batch:
+  logits are formed one position chunk at a time in forward and recomputed in backward (as fused
+  LM-head losses do). Only h, W and one logsumexp per position are saved.
+- `csd_divergence(...)` turns gathered log-probs and a `BatchEvents` into the weighted sum of
+  D(P_T, P_S) over the chunks (a `KdTerm`), vectorised (segment sums, no Python loop per chunk).
+- `combine_losses(...)` divides by the global counts and applies L = CE + sg(CE/KD) KD.
+- `csd_loss(...)` does all of it in one call, for one or several teachers.
+
+torch is imported inside functions so that importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from csd_pipeline.errors import CsdError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from csd_pipeline.events import BatchEvents
+
+DIVERGENCES = ("jsd", "kl", "reverse_kl")
+SHAPE_NAMES = ("1:1", "1:N", "M:1", "M:N")
+DEFAULT_CHUNK_SIZE = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked student log-probabilities
+# ----------------------------------------------------------------------------------------------
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    import torch
+
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _request_layout(positions: torch.Tensor, tokens: torch.Tensor, chunk_size: int):
+    """Sort requests by position; return the unique positions and per-chunk request ranges."""
+    import torch
+
+    order = torch.argsort(positions, stable=True)
+    pos_sorted = positions[order]
+    tok_sorted = tokens[order]
+    unique_pos, counts = torch.unique_consecutive(pos_sorted, return_counts=True)
+    row_of_request = torch.repeat_interleave(torch.arange(unique_pos.numel(), device=positions.device), counts)
+    # Request range of each position chunk: one host sync per call, not one per chunk.
+    ends = torch.cumsum(counts, 0).cpu().tolist()
+    bounds = []
+    n_unique = unique_pos.numel()
+    for a in range(0, n_unique, chunk_size):
+        b = min(a + chunk_size, n_unique)
+        lo = ends[a - 1] if a > 0 else 0
+        bounds.append((a, b, lo, ends[b - 1]))
+    return order, unique_pos, row_of_request, tok_sorted, bounds
+
+
+def _chunk_logits(hidden_rows, weight, acc_dtype):
+    logits = hidden_rows @ weight.T
+    return logits if logits.dtype == acc_dtype else logits.to(acc_dtype)
+
+
+def _make_chunked_function():
+    import torch
+
+    class ChunkedTokenLogprobs(torch.autograd.Function):
+        """log softmax(h W^T) gathered at (position, token) pairs, chunked over positions."""
+
+        @staticmethod
+        def forward(ctx, hidden, weight, positions, tokens, chunk_size):
+            acc = _accumulation_dtype(hidden.dtype)
+            order, unique_pos, row_of_request, tok_sorted, bounds = _request_layout(
+                positions, tokens, chunk_size
+            )
+            lse = torch.empty(unique_pos.numel(), dtype=acc, device=hidden.device)
+            out_sorted = torch.empty(positions.numel(), dtype=acc, device=hidden.device)
+            for a, b, lo, hi in bounds:
+                logits = _chunk_logits(hidden[unique_pos[a:b]], weight, acc)
+                lse_c = torch.logsumexp(logits, dim=-1)
+                lse[a:b] = lse_c
+                rows = row_of_request[lo:hi] - a
+                out_sorted[lo:hi] = logits[rows, tok_sorted[lo:hi]] - lse_c[rows]
+                del logits
+            out = torch.empty_like(out_sorted)
+            out[order] = out_sorted
+            ctx.save_for_backward(hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse)
+            ctx.bounds = bounds
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse = ctx.saved_tensors
+            acc = lse.dtype
+            need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            g_sorted = grad_out.to(acc)[order]
+            g_row = torch.zeros(unique_pos.numel(), dtype=acc, device=hidden.device)
+            g_row.index_add_(0, row_of_request, g_sorted)
+            grad_h_rows = (
+                torch.empty(unique_pos.numel(), hidden.shape[1], dtype=acc, device=hidden.device)
+                if need_h
+                else None
+            )
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+            for a, b, lo, hi in ctx.bounds:
+                h_c = hidden[unique_pos[a:b]]
+                # d logits = scatter(g) - softmax * sum(g per position), built in place.
+                d = _chunk_logits(h_c, weight, acc)
+                d.sub_(lse[a:b, None]).exp_().mul_(-g_row[a:b, None])
+                rows = row_of_request[lo:hi] - a
+                d.index_put_((rows, tok_sorted[lo:hi]), g_sorted[lo:hi], accumulate=True)
+                d_mm = d if d.dtype == weight.dtype else d.to(weight.dtype)
+                del d
+                if need_h:
+                    grad_h_rows[a:b] = (d_mm @ weight).to(acc)
+                if need_w:
+                    grad_w += (d_mm.T @ h_c).to(acc)
+                del d_mm
+            grad_hidden = None
+            if need_h:
+                grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+                grad_hidden.index_add_(0, unique_pos, grad_h_rows)
+                grad_hidden = grad_hidden.to(hidden.dtype)
+            if need_w:
+                grad_w = grad_w.to(weight.dtype)
+            return grad_hidden, grad_w, None, None, None
+
+    return ChunkedTokenLogprobs
+
+
+_CHUNKED_FN = None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    tokens: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Student log-probabilities log softmax(hidden @ weight.T)[positions[g], tokens[g]].
+
+    hidden: [P, H] last hidden states (flattened batch); weight: [V, H] LM head; positions,
+    tokens: int64 [G]. Logits are formed `chunk_size` distinct positions at a time and
+    recomputed in backward, so memory is O(chunk_size x V) instead of O(P x V). Only positions
+    that are requested are computed. Returns [G] in float32 (float64 for float64 inputs);
+    bf16/fp16 inputs give bf16 matmuls with float32 softmax and accumulation.
+    Raises CsdError on mismatched shapes or out-of-range positions/tokens.
+    """
+    import torch
+
+    global _CHUNKED_FN
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise CsdError(
+            f"chunked_token_logprobs needs hidden [P, H] and weight [V, H], got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}; flatten the batch and pass the LM head weight."
+        )
+    if chunk_size < 1:
+        raise CsdError(f"chunk_size must be at least 1, got {chunk_size}; set loss.chunk_size.")
+    positions = positions.to(device=hidden.device, dtype=torch.int64)
+    tokens = tokens.to(device=hidden.device, dtype=torch.int64)
+    if positions.numel() == 0:
+        return torch.zeros(0, dtype=_accumulation_dtype(hidden.dtype), device=hidden.device) + (
+            hidden.sum() * 0 + weight.sum() * 0
+        ).to(_accumulation_dtype(hidden.dtype))
+    _check_range(positions, hidden.shape[0], "position")
+    _check_range(tokens, weight.shape[0], "token id")
+    if _CHUNKED_FN is None:
+        _CHUNKED_FN = _make_chunked_function()
+    return _CHUNKED_FN.apply(hidden, weight, positions, tokens, int(chunk_size))
+
+
+def dense_token_logprobs(logits: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[positions, tokens] from already materialised logits [P, V].
+
+    For tests and small models; computes the softmax only at the requested positions.
+    Returns float32 (float64 for float64 logits). Raises CsdError on bad indices.
+    """
+    import torch
+
+    acc = _accumulation_dtype(logits.dtype)
+    positions = positions.to(device=logits.device, dtype=torch.int64)
+    tokens = tokens.to(device=logits.device, dtype=torch.int64)
+    if positions.numel() == 0:
+        return torch.zeros(0, dtype=acc, device=logits.device) + (logits.sum() * 0).to(acc)
+    _check_range(positions, logits.shape[0], "position")
+    _check_range(tokens, logits.shape[1], "token id")
+    unique_pos, inverse = torch.unique(positions, return_inverse=True)
+    rows = logits[unique_pos].to(acc)
+    return rows[inverse, tokens] - torch.logsumexp(rows, dim=-1)[inverse]
+
+
+def _check_range(values, upper: int, what: str) -> None:
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= upper:
+        raise CsdError(
+            f"a requested {what} ({lo if lo < 0 else hi}) is outside [0, {upper}); the events do not "
+            f"match the student batch or vocabulary: rebuild them with the student's tokenizer."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergence over events
+# ----------------------------------------------------------------------------------------------
+
+
+def segment_logsumexp(values: torch.Tensor, segment: torch.Tensor, n_segments: int) -> torch.Tensor:
+    """logsumexp of `values` grouped by `segment` ids in [0, n_segments); empty segments give -inf."""
+    import torch
+
+    neg_inf = torch.full((n_segments,), -math.inf, dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
+        return neg_inf
+    peak = neg_inf.scatter_reduce(0, segment, values.detach(), reduce="amax", include_self=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    total = torch.zeros(n_segments, dtype=values.dtype, device=values.device)
+    total = total.index_add(0, segment, torch.exp(values - peak[segment]))
+    return torch.log(total) + peak
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, stable; x >= 0 (REST rounded to zero or below) gives -inf."""
+    import torch
+
+    empty = x >= 0
+    safe = torch.where(empty, torch.full_like(x, -1.0), x)
+    near_zero = safe > -math.log(2.0)
+    a = torch.log(-torch.expm1(torch.where(near_zero, safe, torch.full_like(x, -1.0))))
+    b = torch.log1p(-torch.exp(torch.where(near_zero, torch.full_like(x, -1.0), safe)))
+    out = torch.where(near_zero, a, b)
+    return torch.where(empty, torch.full_like(x, -math.inf), out)
+
+
+def divergence_terms(log_p_t: torch.Tensor, log_p_s: torch.Tensor, divergence: str) -> torch.Tensor:
+    """Per-entry terms of D(P_T, P_S) from log-probabilities (sum them per chunk).
+
+    0 log 0 = 0: entries with probability 0 contribute nothing and pass no NaN gradient.
+    `divergence`: "jsd" (0.5 mixture, natural log), "kl" (KL(P_T||P_S)), "reverse_kl" (KL(P_S||P_T)).
+    """
+    import torch
+
+    zt = torch.isneginf(log_p_t)
+    zs = torch.isneginf(log_p_s)
+    zero = torch.zeros_like(log_p_s)
+    lt = torch.where(zt, zero, log_p_t)
+    ls = torch.where(zs, zero, log_p_s)
+    pt = torch.where(zt, zero, torch.exp(lt))
+    ps = torch.where(zs, zero, torch.exp(ls))
+    if divergence == "kl":
+        return torch.where(zt, zero, pt * (lt - log_p_s))
+    if divergence == "reverse_kl":
+        return torch.where(zs, zero, ps * (ls - log_p_t))
+    if divergence == "jsd":
+        log_half = math.log(0.5)
+        log_m = torch.where(
+            zt, ls, torch.where(zs, lt, torch.logaddexp(lt, ls))
+        ) + log_half
+        log_m = torch.where(zt & zs, zero, log_m)
+        return 0.5 * torch.where(zt, zero, pt * (lt - log_m)) + 0.5 * torch.where(zs, zero, ps * (ls - log_m))
+    raise CsdError(f"unknown divergence {divergence!r}; choose one of {', '.join(DIVERGENCES)}.")
+
+
+@dataclass
+class KdTerm:
+    """One teacher's KD contribution for the local batch (before dividing by the global count).
+
+    divergence_sum: sum over local accepted chunks of w_c * D_c (w = 1 for 1:1, beta otherwise).
+    chunk_count: local number of accepted KD chunks (unweighted; all-reduce it for the global count).
+    metrics: detached tensors / ints (events per chunk, explicit teacher mass, student REST, shapes).
+    """
+
+    divergence_sum: Any
+    chunk_count: int
+    metrics: dict = field(default_factory=dict)
+
+
+def csd_divergence(
+    chain_logprobs: torch.Tensor,
+    final_logprobs: torch.Tensor,
+    events: BatchEvents,
+    *,
+    divergence: str = "jsd",
+    beta: float = 5.0,
+    teacher_rest_floor: float = 0.0,
+) -> KdTerm:
+    """Weighted sum of D(P_T^c, P_S^c) over the chunks of `events` (SPEC §5).
+
+    chain_logprobs [Gc] / final_logprobs [Gf]: student log-probs gathered at
+    (events.chain_pos, events.chain_tok) and (events.final_pos, events.final_tok); `events` must be
+    on the same device (`BatchEvents.to`). log q_S(event) = sum of its chunk's chain log-probs +
+    logsumexp of its final gathers; REST = 1 - sum of events (both sides). Weighted by 1 for 1:1
+    chunks and `beta` otherwise. `teacher_rest_floor` (default 0: exact) lower-bounds the teacher's
+    REST probability, which only matters for reverse KL when the stored top-k already carries all
+    the mass. Returns a KdTerm. Raises CsdError for an unknown divergence.
+    """
+    import torch
+
+    if divergence not in DIVERGENCES:
+        raise CsdError(f"unknown divergence {divergence!r}; choose one of {', '.join(DIVERGENCES)}.")
+    n_chunks = int(events.num_chunks)
+    n_events = int(events.event_chunk.shape[0])
+    dtype = final_logprobs.dtype
+    device = final_logprobs.device
+    if n_chunks == 0:
+        zero = final_logprobs.sum() * 0 + chain_logprobs.sum() * 0
+        return KdTerm(zero, 0, _empty_metrics(events))
+    chunk_of_event = events.event_chunk
+    chain_sum = torch.zeros(n_chunks, dtype=dtype, device=device).index_add(
+        0, events.chain_chunk, chain_logprobs.to(dtype)
+    )
+    log_qs = chain_sum[chunk_of_event] + segment_logsumexp(final_logprobs, events.final_event, n_events)
+    log_qt = events.event_teacher_logq.to(dtype)
+    log_mass_s = segment_logsumexp(log_qs, chunk_of_event, n_chunks)
+    log_mass_t = segment_logsumexp(log_qt, chunk_of_event, n_chunks)
+    log_rest_s = log1mexp(log_mass_s)
+    log_rest_t = log1mexp(log_mass_t)
+    if teacher_rest_floor > 0:
+        log_rest_t = torch.clamp(log_rest_t, min=math.log(teacher_rest_floor))
+    entry_chunk = torch.cat([chunk_of_event, torch.arange(n_chunks, device=device)])
+    terms = divergence_terms(torch.cat([log_qt, log_rest_t]), torch.cat([log_qs, log_rest_s]), divergence)
+    per_chunk = torch.zeros(n_chunks, dtype=dtype, device=device).index_add(0, entry_chunk, terms)
+    is_one_to_one = events.chunk_shape == 0
+    chunk_weight = torch.where(
+        is_one_to_one, torch.ones_like(per_chunk), torch.full_like(per_chunk, float(beta))
+    )
+    metrics = _empty_metrics(events)
+    metrics.update(
+        events_per_chunk=n_events / n_chunks,
+        teacher_event_mass=torch.exp(log_mass_t).mean().detach(),
+        student_rest_mass=torch.exp(log_rest_s).mean().detach(),
+        divergence_per_chunk=per_chunk.detach().mean(),
+    )
+    return KdTerm((chunk_weight * per_chunk).sum(), n_chunks, metrics)
+
+
+def _empty_metrics(events) -> dict:
+    counts = events.shape_counts()
+    return {f"chunks_{name}": counts[i] for i, name in enumerate(SHAPE_NAMES)} | {"chunks": events.num_chunks}
+
+
+# ----------------------------------------------------------------------------------------------
+# Combining CE and KD
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossOutput:
+    """loss = ce + sg(ce/kd) * kd (or ce); ce and kd are divided by the global counts.
+
+    kd_terms: per teacher KdTerm (their divergence sums and local chunk counts); metrics: floats
+    or detached 0-dim tensors (call float() when logging).
+    """
+
+    loss: Any
+    ce: Any
+    kd: Any
+    kd_terms: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+
+def combine_losses(
+    ce_sum: torch.Tensor,
+    global_ce_tokens: int | float,
+    kd_terms: Sequence[KdTerm],
+    *,
+    teacher_weights: Sequence[float] | None = None,
+    global_chunk_counts: Sequence[int | float] | None = None,
+    kd_scale: torch.Tensor | float | None = None,
+) -> LossOutput:
+    """L = CE + sg(CE/KD)·KD with CE = ce_sum / global_ce_tokens and KD = Σ w_i · sum_i / count_i.
+
+    global_ce_tokens: number of CE target tokens over the whole global batch (all ranks and
+    accumulation steps). global_chunk_counts: per teacher, the global number of accepted chunks
+    (defaults to each term's local count, i.e. one rank and one step). A teacher with no chunks
+    contributes 0. L = CE when KD is 0 or there are no chunks. kd_scale overrides the detached
+    CE/KD ratio (e.g. a ratio the trainer all-reduced); by default it is computed from these values.
+    Raises CsdError on mismatched list lengths or a non-positive token count.
+    """
+    import torch
+
+    n = len(kd_terms)
+    weights = [1.0] * n if teacher_weights is None else [float(w) for w in teacher_weights]
+    if len(weights) != n:
+        raise CsdError(f"got {len(weights)} teacher weights for {n} teachers; give one weight per teacher.")
+    counts = [t.chunk_count for t in kd_terms] if global_chunk_counts is None else list(global_chunk_counts)
+    if len(counts) != n:
+        raise CsdError(f"got {len(counts)} global chunk counts for {n} teachers; give one per teacher.")
+    if global_ce_tokens is None or float(global_ce_tokens) <= 0:
+        raise CsdError(
+            f"the global CE token count is {global_ce_tokens}; the batch has no student tokens to train "
+            "on, check student_loss_mask in the aligned shards."
+        )
+    ce = ce_sum / float(global_ce_tokens)
+    kd = torch.zeros_like(ce)
+    per_teacher = []
+    for w, c, term in zip(weights, counts, kd_terms, strict=True):
+        kd_i = term.divergence_sum / float(c) if float(c) > 0 else torch.zeros_like(ce)
+        per_teacher.append(kd_i)
+        kd = kd + w * kd_i
+    if kd_scale is None:
+        kd_d = kd.detach()
+        nonzero = kd_d != 0
+        scale = torch.where(nonzero, ce.detach() / torch.where(nonzero, kd_d, torch.ones_like(kd_d)), kd_d * 0)
+    else:
+        scale = torch.as_tensor(kd_scale, dtype=ce.dtype, device=ce.device).detach()
+    loss = ce + scale * kd
+    metrics: dict = {"ce": ce.detach(), "kd": kd.detach(), "loss": loss.detach(), "kd_scale": scale}
+    for i, (term, kd_i) in enumerate(zip(kd_terms, per_teacher, strict=True)):
+        metrics[f"teacher{i}/kd"] = kd_i.detach()
+        for key, value in term.metrics.items():
+            metrics[f"teacher{i}/{key}"] = value
+    return LossOutput(loss=loss, ce=ce, kd=kd, kd_terms=list(kd_terms), metrics=metrics)
+
+
+def csd_loss(
+    *,
+    ce_positions,
+    ce_tokens,
+    teachers: Sequence[BatchEvents] = (),
+    hidden: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    teacher_weights: Sequence[float] | None = None,
+    global_ce_tokens: int | float | None = None,
+    global_chunk_counts: Sequence[int | float] | None = None,
+    divergence: str = "jsd",
+    beta: float = 5.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    kd_scale: torch.Tensor | float | None = None,
+    teacher_rest_floor: float = 0.0,
+) -> LossOutput:
+    """CE + CSD for one batch, from the student's last hidden states and LM head (or logits).
+
+    Give either `hidden` [P, H] and `weight` [V, H] (chunked path, memory O(chunk_size x V)) or
+    `logits` [P, V]. ce_positions / ce_tokens: flat CE targets (`events.ce_targets`). teachers: one
+    `BatchEvents` per teacher (numpy or already on the device). All (position, token) pairs (CE
+    and every teacher's events) are gathered in one pass. global_ce_tokens defaults to the local
+    number of CE targets; global_chunk_counts to the local chunk counts (see `combine_losses`).
+    An empty `teachers` (loss "ce") gives L = CE. Raises CsdError on bad inputs.
+    """
+    import torch
+
+    if (logits is None) == (hidden is None or weight is None):
+        raise CsdError("csd_loss needs either hidden and weight (chunked path) or logits, not both.")
+    device = logits.device if logits is not None else hidden.device
+    ce_positions = torch.as_tensor(ce_positions, dtype=torch.int64).to(device)
+    ce_tokens = torch.as_tensor(ce_tokens, dtype=torch.int64).to(device)
+    teachers = [t.to(device) for t in teachers]
+    pos_parts = [ce_positions]
+    tok_parts = [ce_tokens]
+    for ev in teachers:
+        pos_parts += [ev.chain_pos, ev.final_pos]
+        tok_parts += [ev.chain_tok, ev.final_tok]
+    positions = torch.cat(pos_parts)
+    tokens = torch.cat(tok_parts)
+    if logits is not None:
+        gathered = dense_token_logprobs(logits, positions, tokens)
+    else:
+        gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=chunk_size)
+    pieces = torch.split(gathered, [p.numel() for p in pos_parts])
+    ce_sum = -pieces[0].sum()
+    terms = [
+        csd_divergence(
+            pieces[1 + 2 * i],
+            pieces[2 + 2 * i],
+            ev,
+            divergence=divergence,
+            beta=beta,
+            teacher_rest_floor=teacher_rest_floor,
+        )
+        for i, ev in enumerate(teachers)
+    ]
+    if global_ce_tokens is None:
+        global_ce_tokens = int(ce_positions.numel())
+    return combine_losses(
+        ce_sum,
+        global_ce_tokens,
+        terms,
+        teacher_weights=teacher_weights,
+        global_chunk_counts=global_chunk_counts,
+        kd_scale=kd_scale,
+    )

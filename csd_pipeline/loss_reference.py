@@ -1,0 +1,265 @@
+"""A float64, dense, brute-force reference of the CSD loss (SPEC §5), for tests and `make check`.
+
+Deliberately independent of `events.py`, `tables.py` and `loss.py`:
+
+- events are enumerated per chunk by scanning every token id of both vocabularies and comparing
+  raw byte strings (no sub-token table, no prefix index);
+- the student's distribution is the full softmax of dense logits [T, V]; probabilities (not
+  log-probabilities) are multiplied along the chain, REST is 1 - sum, and D is evaluated on the
+  explicit (K+1)-vectors;
+- gradients come from plain torch autograd through these dense operations.
+
+It is slow (O(V) Python work per chunk) and meant for a handful of chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from csd_pipeline.errors import CsdError
+
+
+@dataclass
+class ReferenceVocab:
+    """Raw bytes of one vocabulary; `usable[i]` is False for specials / untrusted ids."""
+
+    token_bytes: list[bytes]
+    usable: np.ndarray
+    _groups: dict | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_vocabulary(cls, vocab) -> ReferenceVocab:
+        return cls(list(vocab.token_bytes), np.asarray(vocab.flags) == 0)
+
+    def groups(self) -> dict[bytes, list[int]]:
+        """Spelling -> ids, by one scan over every id (its own brute-force spelling classes)."""
+        if self._groups is None:
+            groups: dict[bytes, list[int]] = {}
+            for i, b in enumerate(self.token_bytes):
+                if b and self.usable[i]:
+                    groups.setdefault(b, []).append(i)
+            self._groups = groups
+        return self._groups
+
+
+@dataclass
+class ReferenceTeacher:
+    """One teacher: its vocabulary, per row either dense log-probs [Tt, Vt] or a top-k dict
+    (ids [Tt,k], logprobs [Tt,k], observed_logprob [Tt]), and its KD weight."""
+
+    vocab: ReferenceVocab
+    rows: list[Any]
+    weight: float = 1.0
+
+
+_PAIR_CACHE: dict = {}
+
+
+def _chunk_spelling_pairs(s_voc: ReferenceVocab, t_voc: ReferenceVocab, shape: str, s_prefix: bytes, t_prefix: bytes, obs):
+    """All (student spelling, teacher spelling) that complete the chunk identically, by scanning."""
+    key = (id(s_voc), id(t_voc), shape, s_prefix if shape == "M:1" else b"", t_prefix if shape == "1:N" else b"", obs if shape == "M:N" else None)
+    if key not in _PAIR_CACHE:
+        if len(_PAIR_CACHE) > 256:
+            _PAIR_CACHE.clear()
+        _PAIR_CACHE[key] = (s_voc, t_voc, _scan_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs))
+    return _PAIR_CACHE[key][2]
+
+
+def _scan_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs):
+    sg, tg = s_voc.groups(), t_voc.groups()
+    pairs = []
+    if shape == "1:1":
+        for x in sg:
+            if x in tg:
+                pairs.append((x, x))
+    elif shape == "1:N":
+        n = len(t_prefix)
+        for x in sg:
+            if len(x) > n and x[:n] == t_prefix and x[n:] in tg:
+                pairs.append((x, x[n:]))
+    elif shape == "M:1":
+        n = len(s_prefix)
+        for y in tg:
+            if len(y) > n and y[:n] == s_prefix and y[n:] in sg:
+                pairs.append((y[n:], y))
+    else:
+        pairs.append(obs)
+    return pairs
+
+
+def _divergence(pt, ps, divergence: str):
+    """D(P_T, P_S) on explicit probability vectors (natural log, 0 log 0 = 0)."""
+    import torch
+
+    def xlogy_ratio(a, b):
+        # a * log(a / b) with 0 where a == 0 (gradient-safe).
+        nz = a > 0
+        safe_a = torch.where(nz, a, torch.ones_like(a))
+        safe_b = torch.where(nz, b, torch.ones_like(b))
+        return torch.where(nz, a * (torch.log(safe_a) - torch.log(safe_b)), torch.zeros_like(a)).sum()
+
+    if divergence == "kl":
+        return xlogy_ratio(pt, ps)
+    if divergence == "reverse_kl":
+        return xlogy_ratio(ps, pt)
+    if divergence == "jsd":
+        m = 0.5 * (pt + ps)
+        return 0.5 * xlogy_ratio(pt, m) + 0.5 * xlogy_ratio(ps, m)
+    raise CsdError(f"unknown divergence {divergence!r}")
+
+
+def reference_chunk_distributions(
+    student_probs,
+    row: dict,
+    teacher_index: int,
+    teacher_row,
+    s_voc: ReferenceVocab,
+    t_voc: ReferenceVocab,
+    *,
+    spelling: str = "sum",
+    only_1to1: bool = False,
+):
+    """Per accepted chunk: (shape, P_T, P_S) as explicit probability vectors (events then REST).
+
+    student_probs: dense softmax [Ts, Vs] (float64 tensor). The teacher's final-token
+    candidates are all ids (dense) or the stored top-k plus the observed token.
+    """
+    import torch
+
+    sid = [int(x) for x in row["student_ids"]]
+    tid = [int(x) for x in row[f"teacher{teacher_index}_ids"]]
+    ms = [int(x) for x in row[f"teacher{teacher_index}_chunk_student_len"]]
+    ns = [int(x) for x in row[f"teacher{teacher_index}_chunk_teacher_len"]]
+    st = [int(x) for x in row[f"teacher{teacher_index}_chunk_status"]]
+    dense = not isinstance(teacher_row, dict)
+    if dense:
+        t_probs = np.exp(np.asarray(teacher_row, dtype=np.float64))
+    out = []
+    s0 = t0 = 0
+    for m, n, status in zip(ms, ns, st):
+        c_s0, c_t0 = s0, t0
+        s0 += m
+        t0 += n
+        if status != 0 or c_s0 == 0 or c_t0 == 0:
+            continue
+        shape = "1:1" if m == 1 and n == 1 else "1:N" if m == 1 else "M:1" if n == 1 else "M:N"
+        if only_1to1 and shape != "1:1":
+            continue
+        s_tok, t_tok = sid[c_s0 : c_s0 + m], tid[c_t0 : c_t0 + n]
+        u_obs, v_obs = s_tok[-1], t_tok[-1]
+        s_prefix = b"".join(s_voc.token_bytes[i] for i in s_tok[:-1])
+        t_prefix = b"".join(t_voc.token_bytes[i] for i in t_tok[:-1])
+        fs, ft = c_s0 + m - 2, c_t0 + n - 2
+        # Chain probabilities.
+        chain_s = torch.ones((), dtype=student_probs.dtype)
+        for r in range(m - 1):
+            chain_s = chain_s * student_probs[c_s0 - 1 + r, s_tok[r]]
+        chain_t = 1.0
+        for r in range(n - 1):
+            j = c_t0 - 1 + r
+            chain_t *= float(t_probs[j, t_tok[r]]) if dense else math.exp(float(teacher_row["observed_logprob"][j]))
+        # Teacher final-token candidate probabilities.
+        if dense:
+            cand = None
+        else:
+            cand = {}
+            for v, lp in zip(np.asarray(teacher_row["ids"][ft]).tolist(), np.asarray(teacher_row["logprobs"][ft]).tolist()):
+                if math.isfinite(lp):
+                    cand[int(v)] = math.exp(lp)
+            if v_obs not in cand:
+                cand[v_obs] = math.exp(float(teacher_row["observed_logprob"][ft]))
+
+        obs = (s_voc.token_bytes[u_obs], t_voc.token_bytes[v_obs])
+        pairs = _chunk_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs)
+        sg, tg = s_voc.groups(), t_voc.groups()
+        ev_student_ids, ev_student_idx, q_t = [], [], []
+        for x, y in pairs:
+            s_ids, t_ids = sg[x], tg[y]
+            is_obs = (x, y) == obs
+            if spelling == "exclude" and (len(s_ids) > 1 or len(t_ids) > 1):
+                if not is_obs:
+                    continue
+                s_ids, t_ids = [u_obs], [v_obs]
+            if dense:
+                present = [float(t_probs[ft, v]) for v in t_ids]
+            else:
+                present = [cand[v] for v in t_ids if v in cand]
+            if not present:
+                continue  # no candidate of this teacher spelling in the stored top-k
+            k = len(q_t)
+            q_t.append(chain_t * sum(present))
+            ev_student_ids.extend(s_ids)
+            ev_student_idx.extend([k] * len(s_ids))
+        if not q_t:
+            raise CsdError("reference: a chunk without events (the observed pair must be one)")
+        final = torch.zeros(len(q_t), dtype=student_probs.dtype)
+        final = final.index_add(0, torch.as_tensor(ev_student_idx), student_probs[fs, torch.as_tensor(ev_student_ids)])
+        q_s = chain_s * final
+        q_t_tensor = torch.as_tensor(q_t, dtype=student_probs.dtype)
+        p_t = torch.cat([q_t_tensor, torch.clamp(1 - q_t_tensor.sum(), min=0).reshape(1)])
+        p_s = torch.cat([q_s, torch.clamp(1 - q_s.sum(), min=0).reshape(1)])
+        out.append((shape, p_t, p_s))
+    return out
+
+
+def reference_loss(
+    student_logits: list,
+    rows: list[dict],
+    student_vocab: ReferenceVocab,
+    teachers: list[ReferenceTeacher],
+    *,
+    divergence: str = "jsd",
+    beta: float = 5.0,
+    spelling: str = "sum",
+    only_1to1: bool = False,
+    global_ce_tokens: float | None = None,
+    global_chunk_counts: list[float] | None = None,
+) -> dict:
+    """The CSD loss of a batch from dense student logits (one [Ts, Vs] float64 tensor per row).
+
+    Returns {"loss", "ce", "kd", "kd_parts", "chunks"} (torch scalars, differentiable w.r.t. the
+    logits). CE is the mean over masked student targets (or / global_ce_tokens); each teacher's
+    KD is (sum over 1:1 chunks of D + beta * sum over other chunks) / its chunk count; KD =
+    sum_i weight_i KD_i; L = CE + sg(CE / KD) KD, or CE when KD is 0.
+    """
+    import torch
+
+    ce_sum = torch.zeros((), dtype=torch.float64)
+    n_ce = 0
+    probs = []
+    for logits, row in zip(student_logits, rows, strict=True):
+        logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        probs.append(torch.exp(logp))
+        ids = [int(x) for x in row["student_ids"]]
+        mask = [bool(x) for x in row["student_loss_mask"]]
+        for p in range(len(ids) - 1):
+            if mask[p + 1]:
+                ce_sum = ce_sum - logp[p, ids[p + 1]]
+                n_ce += 1
+    ce = ce_sum / float(global_ce_tokens if global_ce_tokens is not None else n_ce)
+    kd = torch.zeros((), dtype=torch.float64)
+    kd_parts, chunk_counts = [], []
+    for i, teacher in enumerate(teachers):
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        for probs_row, row, t_row in zip(probs, rows, teacher.rows, strict=True):
+            for shape, p_t, p_s in reference_chunk_distributions(
+                probs_row, row, i, t_row, student_vocab, teacher.vocab, spelling=spelling, only_1to1=only_1to1
+            ):
+                d = _divergence(p_t, p_s, divergence)
+                total = total + (d if shape == "1:1" else beta * d)
+                count += 1
+        denom = count if global_chunk_counts is None else global_chunk_counts[i]
+        part = total / denom if denom else torch.zeros((), dtype=torch.float64)
+        kd_parts.append(part)
+        chunk_counts.append(count)
+        kd = kd + teacher.weight * part
+    if float(kd.detach()) == 0.0:
+        loss = ce
+    else:
+        loss = ce + (ce / kd).detach() * kd
+    return {"loss": loss, "ce": ce, "kd": kd, "kd_parts": kd_parts, "chunks": chunk_counts}
