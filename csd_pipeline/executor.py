@@ -197,8 +197,18 @@ def _run_record(run: StageRun) -> dict:
     }
 
 
-def _differing_keys(a: dict, b: dict) -> list[str]:
-    return sorted(key for key in set(a) | set(b) if a.get(key) != b.get(key))
+def _differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Keys whose values differ, one level into nested dicts (`config.max_student_tokens`)."""
+    keys = []
+    for key in sorted(set(a) | set(b)):
+        left, right = a.get(key), b.get(key)
+        if left == right:
+            continue
+        if isinstance(left, dict) and isinstance(right, dict) and not prefix:
+            keys += _differing_keys(left, right, f"{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
 
 
 def check_or_record_run(run: StageRun) -> dict:

@@ -49,7 +49,7 @@ def make_run(out: Path, world_size: int = 1, offset: int = 0, shards: int = 5) -
         output_dir=out,
         identity={"config": {"offset": offset}, "inputs": [{"path": "nowhere", "size": 0}]},
         tasks=tasks,
-        processor="test_executor:make_square_processor",
+        processor=f"{__name__}:make_square_processor",
         processor_config={"offset": offset},
         extra={"note": "toy stage"},
         suffix=".txt",
@@ -117,11 +117,11 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, point):
     run_stage(make_run(clean), log=lambda m: None)
     killed = tmp_path / "killed"
     script = (
-        "import sys; from pathlib import Path; import test_executor as t; "
+        f"import sys; from pathlib import Path; import {__name__} as t; "
         "from csd_pipeline.executor import run_stage; "
         "run_stage(t.make_run(Path(sys.argv[1])), log=lambda m: None)"
     )
-    env = dict(os.environ, PYTHONPATH=f"{TESTS_DIR}{os.pathsep}{REPO}", CSD_TEST_CRASH=f"{point}:3")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS_DIR}", CSD_TEST_CRASH=f"{point}:3")
     first = subprocess.run([sys.executable, "-c", script, str(killed)], env=env, capture_output=True)
     assert first.returncode == -9, first.stderr
     assert not (killed / "manifest.json").exists()

@@ -1,0 +1,86 @@
+"""`csd-pipeline status DIR` and `csd-pipeline inspect DIR`: generic over stage outputs."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--finalize", is_flag=True, help="Write the manifest if every shard is complete (any rank may do it).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def status(directory, finalize, as_json):
+    """Say which shards of a stage output are complete and what is missing."""
+    from csd_pipeline.executor import finalize as write_manifest
+    from csd_pipeline.executor import stage_status
+
+    if finalize:
+        write_manifest(directory, log=lambda message: None if as_json else click.echo(message, err=True))
+    report = stage_status(directory)
+    if as_json:
+        click.echo(json.dumps(report, sort_keys=True))
+        return
+    state = "complete (manifest written)" if report["complete"] else "not complete (no manifest yet)"
+    click.echo(f"{directory}: {report['stage']} output, {state}")
+    click.echo(f"shards: {report['shards_done']} of {report['shards_total']} complete")
+    for name in report["missing"][:20]:
+        click.echo(f"  missing: {name}")
+    if len(report["missing"]) > 20:
+        click.echo(f"  ... and {len(report['missing']) - 20} more")
+    if not report["complete"] and not report["missing"]:
+        click.echo(f"every shard is complete; run `csd-pipeline status {directory} --finalize` to write the manifest.")
+
+
+@click.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect(directory, as_json):
+    """Summarise a stage output from its manifest: rows, tokens, chunk shapes, rejections."""
+    from csd_pipeline.manifest import read_manifest
+
+    manifest = read_manifest(directory)
+    report = summarise(manifest)
+    if as_json:
+        click.echo(json.dumps(report, sort_keys=True))
+        return
+    click.echo(f"{directory}: {report['stage']} output, schema version {report['schema_version']}")
+    click.echo(f"shards: {report['shards']}, rows: {report['rows']}, bytes on disk: {report['bytes_on_disk']}")
+    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections"):
+        if key in report:
+            click.echo(f"{key}: {json.dumps(report[key], sort_keys=True)}")
+
+
+def summarise(manifest: dict) -> dict:
+    """The `inspect` report of a manifest: totals, and for aligned outputs tokens, bytes/token, shapes, rejections."""
+    totals = manifest["totals"]
+    stats = totals.get("stats", {})
+    report = {
+        "stage": manifest["stage"],
+        "schema_version": manifest["schema_version"],
+        "shards": totals["shards"],
+        "rows": totals["rows"],
+        "bytes_on_disk": totals["bytes"],
+    }
+    if manifest["stage"] != "align":
+        report["stats"] = stats
+        return report
+    tokens = stats.get("tokens", {})
+    text_bytes = stats.get("bytes", {}).get("windows", 0)
+    report["windows"] = stats.get("windows", 0)
+    report["documents"] = stats.get("documents", {})
+    report["tokens"] = tokens
+    report["text_bytes"] = text_bytes
+    report["bytes_per_token"] = {side: round(text_bytes / n, 4) if n else None for side, n in tokens.items()}
+    teachers = sorted(k for k in stats if k.startswith("teacher") and isinstance(stats[k], dict) and "chunk_status" in stats[k])
+    report["chunk_status"] = {t: stats[t]["chunk_status"] for t in teachers}
+    report["chunk_shapes"] = {t: stats[t]["accepted_shapes"] for t in teachers}
+    report["rejections"] = {
+        "documents": stats.get("rejected_documents", {}),
+        "window_regions": stats.get("rejected_regions", {}),
+        "window_region_bytes": stats.get("rejected_region_bytes", 0),
+        "chunks": {t: {k: v for k, v in stats[t]["chunk_status"].items() if k not in ("ACCEPTED", "SPECIAL") and v}
+                   for t in teachers},
+    }
+    return report
