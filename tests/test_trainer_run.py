@@ -1,0 +1,120 @@
+"""csd-train end to end on CPU: resume equality, failed checkpoint writes, export, bits per byte."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import pytest
+import torch
+
+from csd_pipeline.errors import CsdError
+from trainer import checkpoint
+from trainer.config import parse_args
+from trainer.loop import train
+
+COMPARED = ("step", "loss", "ce", "kd", "lr", "grad_norm", "tokens", "ce_tokens", "chunks_1to1", "chunks_MtoN")
+
+
+def base_args(data, output, *extra):
+    return ["--aligned", str(data["train"]), "--student-config", str(data["student_config"]),
+            "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "5",
+            "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "2",
+            "--workers", "0", "--no-progress", *extra]
+
+
+def metrics(output) -> list[dict]:
+    with open(output / "metrics.jsonl", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; also keeps float reductions in one order
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference_run(trainer_data, tmp_path_factory, one_thread):
+    output = tmp_path_factory.mktemp("reference") / "run"
+    train(parse_args(base_args(trainer_data, output, "--eval-aligned", str(trainer_data["eval"]))))
+    return output
+
+
+def test_uninterrupted_run_learns_and_writes_its_outputs(reference_run):
+    rows = metrics(reference_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[-1]["ce"] < rows[0]["ce"] - 0.1
+    for key in ("loss", "ce", "kd", "lr", "tokens_per_s", "chunks_1to1", "chunks_1toN", "chunks_Mto1", "chunks_MtoN"):
+        assert key in rows[0]
+    assert [s for s, _ in checkpoint.complete_checkpoints(reference_run)] == [4, 5]  # keep_last 2
+    assert (reference_run / "config.yaml").is_file() and (reference_run / "export" / "model.safetensors").is_file()
+    evaluation = [json.loads(line) for line in open(reference_run / "eval.jsonl", encoding="utf-8")]
+    assert evaluation[-1]["step"] == 5 and 0 < evaluation[-1]["bits_per_byte"] < 20
+
+
+def test_stop_and_resume_logs_exactly_the_same_losses(trainer_data, reference_run, tmp_path, one_thread):
+    output = tmp_path / "run"
+    train(parse_args(base_args(trainer_data, output, "stop_at_step=3")))
+    # as if killed after step 3 but before its checkpoint: step 3 must be recomputed
+    shutil.rmtree(output / "checkpoints" / "step-3")
+    assert metrics(output)[-1]["step"] == 3
+    train(parse_args(base_args(trainer_data, output, "--resume")))
+    expected = [{k: r[k] for k in COMPARED} for r in metrics(reference_run)]
+    assert [{k: r[k] for k in COMPARED} for r in metrics(output)] == expected  # exact floats
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(trainer_data, tmp_path, monkeypatch, one_thread):
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def disk_full(state, checkpoint_id):
+        if checkpoint_id.endswith("step-4.tmp"):
+            with open(f"{checkpoint_id}/__0_0.distcp", "wb") as handle:
+                handle.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(state, checkpoint_id=checkpoint_id)
+
+    monkeypatch.setattr(dcp, "save", disk_full)
+    output = tmp_path / "run"
+    with pytest.raises(CsdError, match=r"step-4 failed \(.*No space left.*step-2 is intact"):
+        train(parse_args(base_args(trainer_data, output)))
+    root = output / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]
+    assert (root / "step-2" / checkpoint.COMPLETE_FILE).is_file()
+
+
+def test_export_reloads_with_the_same_logits(trainer_data, reference_run):
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.model import StudentWithLoss
+
+    exported = AutoModelForCausalLM.from_pretrained(reference_run / "export", dtype=torch.float32).eval()
+    # independent path to the same weights: the final DCP checkpoint, loaded without a process group
+    config = AutoConfig.from_pretrained(reference_run / "export")
+    wrapper = StudentWithLoss(AutoModelForCausalLM.from_config(config))
+    state = {"model": wrapper.state_dict()}
+    dcp.load(state, checkpoint_id=str(reference_run / "checkpoints" / "step-5"))
+    wrapper.load_state_dict(state["model"])
+    ids = torch.tensor([[1, 450, 5839, 310, 278, 3186, 29892, 363, 1135, 29889]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, wrapper.model.eval()(ids).logits, rtol=0, atol=1e-6)
+    assert (reference_run / "export" / "tokenizer.json").read_bytes() == (
+        __import__("csd_pipeline.fixtures", fromlist=["x"]).tokenizer_path("llama-spm") / "tokenizer.json").read_bytes()
+
+
+def test_output_with_checkpoints_needs_resume(trainer_data, reference_run):
+    with pytest.raises(CsdError, match="--resume"):
+        train(parse_args(base_args(trainer_data, reference_run)))
+
+
+def test_student_tokenizer_mismatch_names_the_stage(trainer_data, tmp_path):
+    args = base_args(trainer_data, tmp_path / "run")
+    args[args.index("llama-spm")] = "gpt-2"
+    with pytest.raises(CsdError, match="student tokenizer.*re-run csd-pipeline align"):
+        train(parse_args(args))

@@ -1,0 +1,39 @@
+"""Shared inputs of the trainer tests (tests/test_trainer_*.py): small aligned directories of real
+text (llama-spm student, smollm2 teacher) and a tiny student config. The `trainer_data` fixture in
+conftest.py calls `make_trainer_data` once per session."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+STUDENT_CONFIG = {
+    "model_type": "llama", "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "tie_word_embeddings": True,
+}
+
+
+def align(corpus: list[Path], output: Path, max_student_tokens: int = 128) -> Path:
+    """Run the align stage (llama-spm student, smollm2 teacher) into `output`."""
+    from csd_pipeline.align_stage import AlignConfig, run_align
+
+    run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
+                          teacher_tokenizers=["smollm2"], output=str(output), max_student_tokens=max_student_tokens,
+                          split_on_blank_lines=True, shard_bytes=2000))
+    return output
+
+
+def make_trainer_data(root: Path) -> dict:
+    """{"train", "eval"}: aligned dirs of the botchan / devil slices (windows <= 128 student tokens);
+    "student_config": a 2-layer, 64-wide Llama config JSON with the llama-spm vocabulary."""
+    from csd_pipeline.fixtures import tokenizer_path
+
+    tokenizer_path("llama-spm")  # fails with `make fixtures` advice when the cache is missing
+    out = {"train": align([DATA / "botchan-slice.txt"], root / "train"),
+           "eval": align([DATA / "devil-slice.txt"], root / "eval")}
+    out["student_config"] = root / "student.json"
+    out["student_config"].write_text(json.dumps(STUDENT_CONFIG))
+    return out

@@ -1,0 +1,191 @@
+"""DCP checkpoints in `OUTPUT/checkpoints/step-N/`, complete only once `complete.json` exists.
+
+A checkpoint holds, for every rank, the sharded model and optimizer state
+(`torch.distributed.checkpoint`), plus small JSON files: `trainer.json` (step, scheduler state,
+run counters; rank 0) and `ranks/rank-RRRRR.json` (each rank's data-loader state and RNG
+states). Everything is written into `step-N.tmp/`; after every rank has finished, rank 0 writes
+`complete.json` and renames the folder to `step-N/`. A failed write (disk full, ...) is agreed
+on by all ranks, the partial folder is removed and the previous checkpoints are left as they
+were. Only the latest `keep_last` complete checkpoints are kept. No pickle anywhere: DCP stores
+tensors, the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from csd_pipeline.errors import CsdError
+from trainer import distributed
+
+CHECKPOINT_VERSION = 1
+COMPLETE_FILE = "complete.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class ResumeState:
+    """What a checkpoint restores besides the model and optimizer."""
+
+    step: int
+    trainer: dict       # scheduler state, counters
+    loader_state: dict  # this rank's data-loader state
+    path: Path
+
+
+def checkpoint_root(output: str | os.PathLike) -> Path:
+    return Path(output) / "checkpoints"
+
+
+def complete_checkpoints(output: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint, oldest first. Ignores `*.tmp` and unfinished folders."""
+    root = checkpoint_root(output)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / COMPLETE_FILE).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(obj, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state(device) -> dict:
+    """The torch RNG states of this process (CPU and the current CUDA device), base64."""
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict, device) -> None:
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8),
+                                 device)
+
+
+def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, loader_state: dict,
+                    ctx, keep_last: int) -> Path:
+    """Write `checkpoints/step-{step}/` (collective: every rank calls it). Returns the folder.
+
+    Raises `CsdError` on every rank when any rank failed to write; the partial folder is removed
+    and older checkpoints stay intact.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = checkpoint_root(output)
+    final = root / f"step-{step}"
+    tmp = root / f"step-{step}.tmp"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    distributed.barrier()
+    failure = None
+    try:
+        (tmp / "ranks").mkdir(parents=True, exist_ok=True)
+        _write_json(tmp / "ranks" / f"rank-{ctx.rank:05d}.json",
+                    {"loader": loader_state, "rng": rng_state(ctx.device), "world": ctx.world})
+        if ctx.is_main:
+            _write_json(tmp / "trainer.json", {"version": CHECKPOINT_VERSION, "step": step,
+                                               "world": ctx.world, **trainer_state})
+    except OSError as err:
+        failure = err
+    # Agree before the collective DCP write, so that no rank waits on one that gave up.
+    if distributed.agree_any(failure is not None, ctx.device):
+        _discard(tmp, ctx)
+        raise CsdError(_failure_message(final, failure, output))
+    try:
+        model_state, optim_state = get_state_dict(wrapper, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    except Exception as err:  # DCP raises CheckpointException on every rank when one rank fails
+        failure = err
+    if distributed.agree_any(failure is not None, ctx.device):
+        _discard(tmp, ctx)
+        raise CsdError(_failure_message(final, failure, output))
+    distributed.barrier()
+    if ctx.is_main:
+        _write_json(tmp / COMPLETE_FILE, {"version": CHECKPOINT_VERSION, "step": step, "world": ctx.world})
+        if final.exists():  # a resumed run re-saving a step: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in complete_checkpoints(output)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    distributed.barrier()
+    return final
+
+
+def _discard(tmp: Path, ctx) -> None:
+    distributed.barrier()
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _failure_message(final: Path, failure, output) -> str:
+    reason = str(failure).splitlines()[0] if failure is not None else "another rank failed"
+    previous = complete_checkpoints(output)
+    kept = f"the previous checkpoint {previous[-1][1].name} is intact" if previous else "no earlier checkpoint exists"
+    return (f"writing checkpoint {final} failed ({reason}); {kept}; free space or fix the output "
+            f"directory and re-run with --resume")
+
+
+def load_checkpoint(output, wrapper, optimizer, ctx) -> ResumeState | None:
+    """Restore the latest complete checkpoint into `wrapper` and `optimizer` (collective).
+
+    Returns None when there is none. Raises `CsdError` when it was written by a different number
+    of ranks (each rank's data position would be wrong) or is unreadable.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    found = complete_checkpoints(output)
+    # every rank must pick the same folder: rank 0 decides
+    choice = distributed.broadcast_json(str(found[-1][1]) if found else None, ctx.device)
+    if choice is None:
+        return None
+    path = Path(choice)
+    try:
+        trainer = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
+        rank_file = path / "ranks" / f"rank-{ctx.rank:05d}.json"
+        if trainer.get("world") != ctx.world or not rank_file.is_file():
+            raise CsdError(
+                f"checkpoint {path} was written by {trainer.get('world')} ranks, this run has {ctx.world}; "
+                f"resume with --nproc-per-node/--nnodes giving {trainer.get('world')} ranks"
+            )
+        rank_state = json.loads(rank_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CsdError(f"checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one") from None
+    model_state, optim_state = get_state_dict(wrapper, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(wrapper, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_rng_state(rank_state["rng"], ctx.device)
+    return ResumeState(step=int(trainer["step"]), trainer=trainer, loader_state=rank_state["loader"], path=path)
+
+
+def clean_partial(output, ctx) -> None:
+    """Remove `step-N.tmp/` folders left by a killed run (rank 0)."""
+    root = checkpoint_root(output)
+    if ctx.is_main and root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.endswith(".tmp") and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+    distributed.barrier()
