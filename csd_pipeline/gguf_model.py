@@ -7,7 +7,6 @@ into `config.json` + `model.safetensors` makes later loads fast and independent 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
@@ -25,20 +24,12 @@ def convert_gguf_model(gguf_file: Path, out_dir: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    # The GGUF loader draws its own tqdm bar; tqdm honours TQDM_DISABLE.
-    previous = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
     try:
         loaded = AutoModelForCausalLM.from_pretrained(
             str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
         )
     except (OSError, ValueError) as err:
         raise CsdError(f"transformers could not load the GGUF model {gguf_file} ({err}).") from err
-    finally:
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = previous
     # The loaded model carries a GGUF "quantization" config that transformers will not save;
     # rebuild the same architecture without it and move the dequantized weights over.
     config_dict = loaded.config.to_dict()

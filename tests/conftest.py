@@ -1,0 +1,74 @@
+"""Shared pytest fixtures. Several helpers add to this file: keep each section separate."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# ---------------------------------------------------------------------------------------------
+# Real tokenizer/model fixtures (csd_pipeline/fixtures.py). Missing fixtures fail, never skip.
+
+# Nothing in the tests may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def fixtures_manifest() -> dict:
+    """The `fixtures.json` of the fixture cache (fails the test when the cache is incomplete)."""
+    from csd_pipeline.fixtures import fixture_dir, load_manifest
+
+    manifest = load_manifest()
+    if manifest is None:
+        pytest.fail(f"the fixture cache {fixture_dir()} is missing or incomplete; run `make fixtures`.", pytrace=False)
+    return manifest
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(fixtures_manifest):
+    """The fixture cache folder (`csd_pipeline.fixtures.fixture_dir()`), known to be complete."""
+    from csd_pipeline.fixtures import fixture_dir
+
+    return fixture_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(fixtures_dir):
+    """`tokenizer_path(name)` -> the HF-style folder of a fixture tokenizer (FIXTURE_TOKENIZERS)."""
+    from csd_pipeline import fixtures
+
+    return fixtures.tokenizer_path
+
+
+@pytest.fixture(scope="session")
+def model_path(fixtures_dir):
+    """`model_path(name)` -> the HF folder of a fixture model (`smollm2-135m-instruct`)."""
+    from csd_pipeline import fixtures
+
+    return fixtures.model_path
+
+
+@pytest.fixture(scope="session")
+def template_path(fixtures_dir):
+    """`template_path(filename)` -> a llama.cpp chat template (`templates/*.jinja`)."""
+    from csd_pipeline import fixtures
+
+    return fixtures.template_path
+
+
+# --------------------------------------------------------------------------------------------- end of fixtures section
+
+
+# ---------------------------------------------------------------------------------------------
+# csd-train (trainer/): inputs built by tests/trainer_cases.py.
+
+
+@pytest.fixture(scope="session")
+def trainer_data(tmp_path_factory) -> dict:
+    """Small aligned dirs of real text for the trainer tests (see `tests.trainer_cases.make_trainer_data`)."""
+    from tests.trainer_cases import make_trainer_data
+
+    return make_trainer_data(tmp_path_factory.mktemp("trainer-data"))
+
+
+# --------------------------------------------------------------------------------------------- end of csd-train section
