@@ -1,0 +1,84 @@
+"""Speed of `make tables` for Llama 3 <-> Qwen2, as a ratio to the tokenizers floor (issue: tables §5).
+
+Floor: the time `tokenizers` needs to `encode_batch` the decoded text of every token of one
+vocabulary with the other tokenizer, both directions. Measured: the three calls `make tables`
+runs (two builds, one validate), each as its own process, as a user runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LIMIT_RATIO = 5.0
+
+
+def _floor_seconds(student: str, teacher: str) -> float:
+    from tokenizers import Tokenizer
+
+    from csd_pipeline.fixtures import tokenizer_path
+
+    toks = {n: Tokenizer.from_file(str(tokenizer_path(n) / "tokenizer.json")) for n in (student, teacher)}
+    texts = {n: [t.decode([i]) for i in range(t.get_vocab_size())] for n, t in toks.items()}
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        toks[teacher].encode_batch(texts[student], add_special_tokens=False)
+        toks[student].encode_batch(texts[teacher], add_special_tokens=False)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _timed(cmd: list[str]) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {err}")
+    return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def run(quick: bool = False) -> dict:
+    student, teacher = "llama-bpe", "qwen2"
+    exe = [sys.executable, "-m", "cli.main"]
+    with tempfile.TemporaryDirectory() as tmp:
+        s2t, t2s = Path(tmp) / "s2t.safetensors", Path(tmp) / "t2s.safetensors"
+        calls = {
+            "build_student_to_teacher": exe + ["tables", "build", "--source-tokenizer", student,
+                                               "--destination-tokenizer", teacher, "--output", str(s2t), "--quiet"],
+            "build_teacher_to_student": exe + ["tables", "build", "--source-tokenizer", teacher,
+                                               "--destination-tokenizer", student, "--output", str(t2s), "--quiet"],
+            "validate": exe + ["tables", "validate", "--student-tokenizer", student, "--teacher-tokenizer", teacher,
+                               "--student-to-teacher", str(s2t), "--teacher-to-student", str(t2s)],
+        }
+        floor = _floor_seconds(student, teacher)
+        rounds = 1 if quick else 2
+        results = {}
+        for _ in range(rounds):  # the best of `rounds` complete runs of the three calls
+            run_times = {name: _timed(cmd) for name, cmd in calls.items()}
+            if not results or sum(r["seconds"] for r in run_times.values()) < sum(r["seconds"] for r in results.values()):
+                results = run_times
+        floor = min(floor, _floor_seconds(student, teacher))
+    total = sum(r["seconds"] for r in results.values())
+    ratio = total / floor
+    metrics = {"floor_seconds": floor, "make_tables_seconds": total}
+    for name, r in results.items():
+        metrics[f"{name}_seconds"] = r["seconds"]
+        metrics[f"{name}_peak_rss_mb"] = r["peak_rss_mb"]
+    return {
+        "name": "tables",
+        "metrics": metrics,
+        "checks": {"make_tables_vs_floor": {"value": ratio, "limit": LIMIT_RATIO, "ok": ratio <= LIMIT_RATIO}},
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))

@@ -1,0 +1,61 @@
+"""`make bench`: run every benchmark module, print one table, write bench-results/bench.json.
+
+Each `bench/bench_<topic>.py` exposes `run(quick=False) -> {"name", "metrics", "checks"}`; checks
+are ratios measured inside one run, so a noisy shared machine slows both sides alike.
+`python bench/run_all.py [--quick] [topic ...]` runs a subset.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPICS = ("tables", "align", "teacher", "loss", "train")
+
+
+def main(argv: list[str]) -> int:
+    quick = "--quick" in argv
+    topics = [a for a in argv if not a.startswith("--")] or list(TOPICS)
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    results, failed = [], False
+    for topic in topics:
+        started = time.perf_counter()
+        try:
+            module = importlib.import_module(f"bench_{topic}")
+        except ModuleNotFoundError:
+            print(f"[bench] {topic}: no bench/bench_{topic}.py yet, skipped", file=sys.stderr)
+            continue
+        print(f"[bench] {topic} ...", file=sys.stderr, flush=True)
+        try:
+            result = module.run(quick=quick)
+        except Exception as err:  # a broken benchmark is reported, the others still run
+            traceback.print_exc()
+            result = {"name": topic, "metrics": {}, "checks": {"ran": {"value": 0, "limit": 1, "ok": False}}, "error": str(err)}
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        results.append(result)
+    out_dir = ROOT / "bench-results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(f"\n{'benchmark':<10} {'check':<38} {'value':>10} {'limit':>8}  ok")
+    for result in results:
+        for name, check in result.get("checks", {}).items():
+            ok = "yes" if check["ok"] else "NO"
+            failed |= not check["ok"]
+            print(f"{result['name']:<10} {name:<38} {check['value']:>10.3f} {check['limit']:>8.3f}  {ok}")
+    print(f"\n{'benchmark':<10} metric")
+    for result in results:
+        for name, value in result.get("metrics", {}).items():
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            print(f"{result['name']:<10} {name:<42} {shown}")
+    print(f"\nwrote {out_dir / 'bench.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
