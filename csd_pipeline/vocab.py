@@ -219,7 +219,9 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False) -> TokenizerBun
     cached fixtures. Raises CsdError for a missing/unreadable file, a slow-only tokenizer or an
     unsupported family.
     """
-    resolved = _resolve_fixture_name(str(arg))
+    from csd_pipeline.fixtures import resolve_tokenizer_arg
+
+    resolved = resolve_tokenizer_arg(str(arg))
     path = Path(resolved)
     if path.is_file():
         tokenizer_file, config = path, _read_config(path.parent, only_if_sibling=path)
@@ -265,14 +267,6 @@ def _tokenizer_from_json(raw_json: str, name: str):
     # Corpus text is never parsed into special tokens.
     tokenizer.encode_special_tokens = True
     return tokenizer
-
-
-def _resolve_fixture_name(arg: str) -> str:
-    try:
-        from csd_pipeline.fixtures import resolve_tokenizer_arg
-    except ImportError:  # TODO(lead): remove once csd_pipeline/fixtures.py has landed
-        return arg
-    return resolve_tokenizer_arg(arg)
 
 
 def _read_config(folder: Path, only_if_sibling: Path | None = None) -> dict:
