@@ -3,7 +3,8 @@
 `run_align(config)` loads the tokenizers, builds or copies the sub-token tables into
 `DIR/tables/teacher{i}/`, plans the shards from the corpus (`corpus.plan_shards`) and hands them to
 the shared executor. Each shard is written by `make_shard_processor`: documents are read in order,
-tokenized in batches with `encode_batch` (the student once, each distinct teacher tokenizer once),
+tokenized in batches with `encode_batch_fast` (no offsets: spans come from token bytes; the student
+once, each distinct teacher tokenizer once),
 aligned with `alignment.align` (vectorised over the batch), cut into windows and written as
 Parquet row groups of a fixed number of rows (zstd). Shard bytes depend only on the shard's
 documents and the config.
@@ -100,9 +101,9 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         shard_name,
     )
     from csd_pipeline.fixtures import resolve_tokenizer_arg
-    from csd_pipeline.vocab import load_tokenizer
 
     config.validate()
+    log = log or (lambda message: None)
     rank, world_size = resolve_rank(rank, world_size)
     if workers < 1:
         raise CsdError(f"--workers {workers} is not positive; pass --workers 1 or more.")
@@ -112,8 +113,8 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         raise CsdError(f"--output {out} is a file; pass a directory.")
     student_path = resolve_tokenizer_arg(config.student_tokenizer)
     teacher_paths = [resolve_tokenizer_arg(t) for t in config.teacher_tokenizers]
-    student = load_tokenizer(student_path, trust_remote_code=config.trust_remote_code)
-    teachers = [load_tokenizer(t, trust_remote_code=config.trust_remote_code) for t in teacher_paths]
+    student = load_bundle(student_path, config.trust_remote_code)
+    teachers = [load_bundle(t, config.trust_remote_code) for t in teacher_paths]
     limits = config.teacher_limits()
     identity = {
         "config": {
@@ -168,6 +169,26 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     return run_stage(run, rank=rank, world_size=world_size, workers=workers, log=log)
 
 
+_BUNDLES: dict = {}
+
+
+def load_bundle(path: str, trust_remote_code: bool = False):
+    """`vocab.load_tokenizer`, cached per process (the stage and its in-process shard writer share it)."""
+    from csd_pipeline.vocab import load_tokenizer
+
+    key = (path, trust_remote_code, _mtime(path))
+    if key not in _BUNDLES:
+        _BUNDLES[key] = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    return _BUNDLES[key]
+
+
+def _mtime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
 def log_line(log, message: str) -> None:
     if log is not None:
         log(message)
@@ -205,7 +226,7 @@ def _recorded_tasks(out: Path, identity: dict, read_run_record):
 
 def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> list[dict]:
     """Copy (or build) each teacher's two tables into DIR/tables/teacher{i}/; return their records."""
-    from csd_pipeline.tables import build_table, load_table
+    from csd_pipeline.tables import build_table
 
     records = []
     for i, teacher in enumerate(teachers):
@@ -214,12 +235,11 @@ def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> l
         wanted = ((student.vocab.fingerprint, teacher.vocab.fingerprint), (teacher.vocab.fingerprint, student.vocab.fingerprint))
         for name, (source_fp, destination_fp), position in zip(names, wanted, (0, 1)):
             target = folder / name
-            if target.is_file() and _table_fingerprints(load_table(target)) == (source_fp, destination_fp):
+            if target.is_file() and table_fingerprints(target) == (source_fp, destination_fp):
                 continue
             if config.tables:
                 given = config.tables[i][position]
-                table = load_table(given)
-                if _table_fingerprints(table) != (source_fp, destination_fp):
+                if table_fingerprints(given) != (source_fp, destination_fp):
                     direction = "student->teacher" if position == 0 else "teacher->student"
                     raise CsdError(
                         f"table {given} does not match the tokenizers of teacher {i} ({direction} expected: "
@@ -245,8 +265,24 @@ def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> l
     return records
 
 
-def _table_fingerprints(table) -> tuple[str, str]:
-    return table.source_fingerprint, table.destination_fingerprint
+def table_fingerprints(path) -> tuple[str, str]:
+    """(source, destination) tokenizer fingerprints of a stored table, read from its header only.
+
+    Raises `CsdError` (from `tables.load_table`) when the file is missing or not a table.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    from csd_pipeline.tables import _META_KEY, load_table
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            meta = json.loads((handle.metadata() or {})[_META_KEY])
+        return meta["source"]["fingerprint"], meta["destination"]["fingerprint"]
+    except Exception:
+        table = load_table(path)  # raises the table module's one-sentence error
+        return table.source_fingerprint, table.destination_fingerprint
 
 
 def _copy_atomic(source: Path, target: Path) -> None:
@@ -262,10 +298,8 @@ def _copy_atomic(source: Path, target: Path) -> None:
 
 def make_shard_processor(config: dict):
     """The executor factory: load the tokenizers once, return `process(task, tmp_path) -> ShardResult`."""
-    from csd_pipeline.vocab import load_tokenizer
-
-    student = load_tokenizer(config["student"], trust_remote_code=config["trust_remote_code"])
-    teachers = [load_tokenizer(t, trust_remote_code=config["trust_remote_code"]) for t in config["teachers"]]
+    student = load_bundle(config["student"], config["trust_remote_code"])
+    teachers = [load_bundle(t, config["trust_remote_code"]) for t in config["teachers"]]
     aligner = BatchAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
                            config["context_token"])
 
@@ -383,7 +417,9 @@ class BatchAligner:
 
     def encode(self, bundle, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Content token ids of `texts` (no special tokens added or parsed): (flat ids, offsets per text)."""
-        encodings = bundle.tokenizer.encode_batch(texts, add_special_tokens=False)
+        # Offsets are not needed (spans come from token bytes), so skip computing them where possible.
+        encode = getattr(bundle.tokenizer, "encode_batch_fast", bundle.tokenizer.encode_batch)
+        encodings = encode(texts, add_special_tokens=False)
         id_lists = [e.ids for e in encodings]
         counts = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         offsets = np.zeros(len(id_lists) + 1, dtype=np.int64)
@@ -435,92 +471,122 @@ class BatchAligner:
             stats["tokens"][f"teacher{i}"] += int((ranges[:, 1] - ranges[:, 0]).sum())
 
     def _rows(self, documents, src, doc_bytes, student, teacher_spans, tables, windows, stats):
-        import pyarrow as pa
-
         from csd_pipeline.alignment import ragged_arange
 
-        num = len(windows.doc)
         lo, hi = windows.byte_range[:, 0], windows.byte_range[:, 1]
-        text_offsets = np.zeros(num + 1, dtype=np.int64)
-        np.cumsum(hi - lo, out=text_offsets[1:])
-        if text_offsets[-1] >= 1 << 31:
-            raise CsdError("a batch of windows holds 2 GiB of text; lower --batch-mb.")
-        text_data = src[ragged_arange(lo, hi - lo)]
-        text = pa.StringArray.from_buffers(num, pa.py_buffer(text_offsets.astype(np.int32)), pa.py_buffer(text_data))
-        student_ids, content = _with_head(student.ids, windows.student_range, self.context[0])
+        docs = windows.doc.tolist()
+        text = _string_array(src[ragged_arange(lo, hi - lo)], hi - lo)
+        offsets, student_ids, content = _with_head(student.ids, windows.student_range, self.context[0])
         columns = {
-            "row_id": pa.array([f"{documents[d].source}:{documents[d].record_index}:{w}"
-                                for d, w in zip(windows.doc.tolist(), windows.window_index.tolist())], pa.string()),
+            "row_id": _strings([f"{documents[d].source}:{documents[d].record_index}:{w}"
+                                for d, w in zip(docs, windows.window_index.tolist())]),
             "text": text,
-            "student_ids": student_ids,
-            "student_loss_mask": pa.ListArray.from_arrays(student_ids.offsets, pa.array(content, pa.bool_())),
+            "student_ids": _list_array(offsets, _array(student_ids, "int32")),
+            "student_loss_mask": _list_array(offsets, _bool_array(content)),
         }
         for i, (side, table) in enumerate(zip(teacher_spans, tables)):
             ctx_s, ctx_t = self.context[0], self.context[1 + i]
             ids_col, len_s_col, len_t_col, status_col = teacher_columns(i)
-            columns[ids_col], _ = _with_head(side.ids, windows.teacher_ranges[i], ctx_t)
+            t_offsets, t_ids, _ = _with_head(side.ids, windows.teacher_ranges[i], ctx_t)
+            columns[ids_col] = _list_array(t_offsets, _array(t_ids, "int32"))
             chunks = windows.chunk_ranges[i]
             head = ctx_s is not None or ctx_t is not None
             first_status = None if ctx_s is not None and ctx_t is not None else ChunkStatus.NO_PREDICTOR
-            s_len, _ = _with_head(table.student_len.astype(np.int32), chunks, int(ctx_s is not None) if head else None)
-            t_len, _ = _with_head(table.teacher_len.astype(np.int32), chunks, int(ctx_t is not None) if head else None)
-            status, _ = _with_head(table.status, chunks, int(ChunkStatus.SPECIAL) if head else None,
-                                   first_content=first_status, value_type=pa.uint8())
-            columns[len_s_col], columns[len_t_col], columns[status_col] = s_len, t_len, status
-            self._count_chunks(stats[f"teacher{i}"], s_len, t_len, status)
-        sources = [documents[d].source for d in windows.doc.tolist()]
-        columns["source"] = pa.array(sources, pa.string())
-        columns["record_index"] = pa.array([documents[d].record_index for d in windows.doc.tolist()], pa.int64())
-        columns["window_index"] = pa.array(windows.window_index, pa.int32())
-        columns["byte_start"] = pa.array(lo - doc_bytes[windows.doc], pa.int64())
+            c_offsets, s_len, _ = _with_head(table.student_len, chunks, int(ctx_s is not None) if head else None)
+            _, t_len, _ = _with_head(table.teacher_len, chunks, int(ctx_t is not None) if head else None)
+            _, status, _ = _with_head(table.status, chunks, int(ChunkStatus.SPECIAL) if head else None,
+                                      first_content=first_status)
+            columns[len_s_col] = _list_array(c_offsets, _array(s_len, "int32"))
+            columns[len_t_col] = _list_array(c_offsets, _array(t_len, "int32"))
+            columns[status_col] = _list_array(c_offsets, _array(status, "uint8"))
+            _count_chunks(stats[f"teacher{i}"], s_len, t_len, status)
+        columns["source"] = _strings([documents[d].source for d in docs])
+        columns["record_index"] = _array(np.fromiter((documents[d].record_index for d in docs), np.int64, len(docs)), "int64")
+        columns["window_index"] = _array(windows.window_index, "int32")
+        columns["byte_start"] = _array(lo - doc_bytes[windows.doc], "int64")
+        import pyarrow as pa
+
         return pa.Table.from_arrays([columns[name] for name in self.schema.names], schema=self.schema)
 
-    @staticmethod
-    def _count_chunks(counter: dict, s_len, t_len, status) -> None:
-        from schemas.aligned import shape_name
 
-        codes = status.values.to_numpy(zero_copy_only=False)
-        counts = np.bincount(codes, minlength=len(ChunkStatus))
-        for s in ChunkStatus:
-            counter["chunk_status"][s.name] += int(counts[s])
-        accepted = codes == ChunkStatus.ACCEPTED
-        m = s_len.values.to_numpy(zero_copy_only=False)[accepted]
-        n = t_len.values.to_numpy(zero_copy_only=False)[accepted]
-        key = (m > 1).astype(np.int64) * 2 + (n > 1)
-        shapes = np.bincount(key, minlength=4)
-        for k, (mm, nn) in enumerate(((1, 1), (1, 2), (2, 1), (2, 2))):
-            counter["accepted_shapes"][shape_name(mm, nn)] += int(shapes[k])
+def _count_chunks(counter: dict, s_len: np.ndarray, t_len: np.ndarray, status: np.ndarray) -> None:
+    counts = np.bincount(status, minlength=len(ChunkStatus))
+    for s in ChunkStatus:
+        counter["chunk_status"][s.name] += int(counts[s])
+    accepted = status == ChunkStatus.ACCEPTED
+    key = (s_len[accepted] > 1).astype(np.int64) * 2 + (t_len[accepted] > 1)
+    shapes = np.bincount(key, minlength=4)
+    for k, name in enumerate(("1:1", "1:N", "M:1", "M:N")):
+        counter["accepted_shapes"][name] += int(shapes[k])
 
 
-def _with_head(values: np.ndarray, ranges: np.ndarray, head, *, first_content=None, value_type=None):
-    """A list column of `values[r0:r1]` per row, each row prefixed by `head` (None: no prefix).
+def _with_head(values: np.ndarray, ranges: np.ndarray, head, *, first_content=None):
+    """Rows `values[r0:r1]`, each prefixed by `head` (None: no prefix), as flat values with offsets.
 
-    `first_content`: when given, replaces the row's first content value if it is ACCEPTED (used for
-    NO_PREDICTOR). Returns (the Arrow ListArray, a bool array marking content positions).
+    `first_content`: when given, replaces each row's first content value if it is ACCEPTED (used for
+    NO_PREDICTOR). Returns (int32 offsets [W+1], flat values, bool mask of content positions).
     """
-    import pyarrow as pa
+    from csd_pipeline.alignment import ragged_arange
 
     r0, r1 = ranges[:, 0], ranges[:, 1]
     extra = 0 if head is None else 1
-    lengths = r1 - r0 + extra
     offsets = np.zeros(len(r0) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    from csd_pipeline.alignment import ragged_arange
-
-    gather = ragged_arange(r0, r1 - r0)
-    content = np.ones(int(offsets[-1]), dtype=bool)
-    if extra:
-        content[offsets[:-1]] = False
-    out = np.empty(int(offsets[-1]), dtype=values.dtype)
-    out[content] = values[gather]
-    if extra:
-        out[offsets[:-1]] = head
+    np.cumsum(r1 - r0 + extra, out=offsets[1:])
+    if offsets[-1] >= 1 << 31:
+        raise CsdError("a batch of windows holds 2**31 tokens; lower --batch-mb.")
+    heads = offsets[:-1]
+    if extra and len(values):
+        out = values.take(ragged_arange(r0 - 1, r1 - r0 + 1))  # a head slot takes values[r0 - 1], then is overwritten
+        out[heads] = head
+    elif extra:
+        out = np.full(len(r0), head, dtype=values.dtype)
+    else:
+        out = values.take(ragged_arange(r0, r1 - r0))
+    content = np.ones(len(out), dtype=bool)
+    content[heads] = not extra
     if first_content is not None:
-        firsts = offsets[:-1] + extra
-        firsts = firsts[(r1 > r0)]
+        firsts = (heads + extra)[r1 > r0]
         firsts = firsts[out[firsts] == ChunkStatus.ACCEPTED]
         out[firsts] = first_content
-    array = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32), pa.int32()),
-                                     pa.array(out, value_type) if value_type is not None else pa.array(out))
-    return array, content
+    return offsets.astype(np.int32), out, content
 
+
+# Arrow arrays are built from buffers: no per-value Python objects (and pyarrow's conversion of
+# Python lists or numpy arrays would import pandas, a second of start-up in every worker).
+
+
+def _array(values: np.ndarray, type_name: str):
+    import pyarrow as pa
+
+    values = np.ascontiguousarray(values, dtype=np.dtype(type_name))
+    return pa.Array.from_buffers(getattr(pa, type_name)(), len(values), [None, pa.py_buffer(values)])
+
+
+def _bool_array(mask: np.ndarray):
+    import pyarrow as pa
+
+    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])
+
+
+def _list_array(offsets: np.ndarray, child):
+    import pyarrow as pa
+
+    from schemas.aligned import list_of
+
+    return pa.Array.from_buffers(list_of(child.type), len(offsets) - 1, [None, pa.py_buffer(offsets)], children=[child])
+
+
+def _string_array(data: np.ndarray, lengths: np.ndarray):
+    import pyarrow as pa
+
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] >= 1 << 31:
+        raise CsdError("a batch of windows holds 2 GiB of text; lower --batch-mb.")
+    return pa.StringArray.from_buffers(len(lengths), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data))
+
+
+def _strings(values: list[str]):
+    encoded = [v.encode("utf-8") for v in values]
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    return _string_array(np.frombuffer(b"".join(encoded), dtype=np.uint8), lengths)

@@ -77,6 +77,14 @@ def teacher_columns(i: int) -> tuple[str, str, str, str]:
     )
 
 
+def list_of(value_type):
+    """A list type whose child is named `element`, as Parquet stores lists, so that the schema read
+    back from a shard equals the declared one."""
+    import pyarrow as pa
+
+    return pa.list_(pa.field("element", value_type))
+
+
 def aligned_schema(num_teachers: int):
     """The Arrow schema (version 1) of aligned shards with `num_teachers` teachers.
 
@@ -89,16 +97,16 @@ def aligned_schema(num_teachers: int):
     fields = [
         pa.field("row_id", pa.string(), nullable=False),
         pa.field("text", pa.string(), nullable=False),
-        pa.field("student_ids", pa.list_(pa.int32()), nullable=False),
-        pa.field("student_loss_mask", pa.list_(pa.bool_()), nullable=False),
+        pa.field("student_ids", list_of(pa.int32()), nullable=False),
+        pa.field("student_loss_mask", list_of(pa.bool_()), nullable=False),
     ]
     for i in range(num_teachers):
         ids, student_len, teacher_len, status = teacher_columns(i)
         fields += [
-            pa.field(ids, pa.list_(pa.int32()), nullable=False),
-            pa.field(student_len, pa.list_(pa.int32()), nullable=False),
-            pa.field(teacher_len, pa.list_(pa.int32()), nullable=False),
-            pa.field(status, pa.list_(pa.uint8()), nullable=False),
+            pa.field(ids, list_of(pa.int32()), nullable=False),
+            pa.field(student_len, list_of(pa.int32()), nullable=False),
+            pa.field(teacher_len, list_of(pa.int32()), nullable=False),
+            pa.field(status, list_of(pa.uint8()), nullable=False),
         ]
     fields += [
         pa.field("source", pa.string(), nullable=False),

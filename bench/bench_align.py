@@ -1,0 +1,194 @@
+"""Speed of `csd-pipeline align` (text mode), Llama 3 student / Qwen2 teacher, as a ratio to the
+tokenizers floor (issue 3, §7).
+
+Corpus: /work/shared/corpus/python-docs.txt (11 MB) when present, else the committed slice
+tests/data/python-docs-slice.txt (256 KB; the numbers are then only indicative). Documents: one per
+blank-line-separated block (`--split-on-blank-lines`, about 73k documents for the full file).
+
+Floor: `tokenizers` `encode_batch` (offsets on) of the same documents, in the same 1 MiB batches,
+with both tokenizers, in this process (so the same RAYON_NUM_THREADS / TOKENIZERS_PARALLELISM).
+Measured: `run_align` with one worker, Parquet writing, table copies and the manifest included, with
+the tokenizers already loaded (their one-time load is reported apart); then two workers (each
+process loads its tokenizers; the speed-up compares full wall times, loads included); then peak
+memory of the whole stage in a fresh process on two corpus sizes (it must not grow: streaming).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FULL_CORPUS = Path("/work/shared/corpus/python-docs.txt")
+SLICE = ROOT / "tests" / "data" / "python-docs-slice.txt"
+STUDENT, TEACHER = "llama-bpe", "qwen2"
+LIMIT_RATIO = 1.5
+LIMIT_MEMORY_GROWTH = 1.25
+BATCH_BYTES = 1 << 20
+SHARD_MB = 1.0
+
+
+def _corpus(tmp: Path, quick: bool) -> tuple[Path, str]:
+    if FULL_CORPUS.is_file():
+        if not quick:
+            return FULL_CORPUS, "python-docs.txt (full)"
+        path = tmp / "python-docs-2mb.txt"
+        path.write_bytes(_cut_at_blank_line(FULL_CORPUS.read_bytes(), 2 << 20))
+        return path, "python-docs.txt (first 2 MiB, quick)"
+    return SLICE, "tests/data/python-docs-slice.txt (fallback: /work/shared/corpus is absent)"
+
+
+def _cut_at_blank_line(data: bytes, size: int) -> bytes:
+    cut = data.find(b"\n\n", size)
+    return data if cut < 0 else data[:cut + 1]
+
+
+def _documents(path: Path) -> list[str]:
+    from csd_pipeline.corpus import ReadOptions, discover, read_segment
+
+    file = discover([str(path)])[0]
+    return [d.text for d in read_segment(file, {"first": 0, "count": 1 << 60, "offset": 0}, ReadOptions(split_on_blank_lines=True))
+            if d.text]
+
+
+def _batches(texts: list[str]) -> list[list[str]]:
+    batches, current, size = [], [], 0
+    for text in texts:
+        current.append(text)
+        size += len(text)
+        if size >= BATCH_BYTES:
+            batches.append(current)
+            current, size = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _floor_seconds(bundles, texts: list[str]) -> float:
+    batches = _batches(texts)
+    start = time.perf_counter()
+    for batch in batches:
+        for bundle in bundles:
+            bundle.tokenizer.encode_batch(batch, add_special_tokens=False)
+    return time.perf_counter() - start
+
+
+def _config(corpus: Path, out: Path, tables: list[tuple[str, str]]):
+    from csd_pipeline.align_stage import AlignConfig
+
+    return AlignConfig(corpus=[str(corpus)], student_tokenizer=STUDENT, teacher_tokenizers=[TEACHER], output=str(out),
+                       split_on_blank_lines=True, shard_bytes=int(SHARD_MB * (1 << 20)), batch_bytes=BATCH_BYTES,
+                       tables=tables)
+
+
+def _shard_hashes(out: Path) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return {s["file"]: hashlib.sha256((out / s["file"]).read_bytes()).hexdigest() for s in manifest["shards"]}
+
+
+_MEMORY_CHILD = """
+import resource, sys, json
+sys.path.insert(0, {root!r})
+from csd_pipeline.align_stage import AlignConfig, run_align
+config = AlignConfig(corpus=[{corpus!r}], student_tokenizer={student!r}, teacher_tokenizers=[{teacher!r}], output={out!r},
+                     split_on_blank_lines=True, shard_bytes={shard_bytes}, batch_bytes={batch_bytes}, tables={tables!r})
+run_align(config)
+print(json.dumps({{"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+"""
+
+
+def _peak_memory_mb(corpus: Path, out: Path, tables) -> float:
+    code = _MEMORY_CHILD.format(root=str(ROOT), corpus=str(corpus), student=STUDENT, teacher=TEACHER, out=str(out),
+                                shard_bytes=int(SHARD_MB * (1 << 20)), batch_bytes=BATCH_BYTES, tables=tables)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+
+
+def run(quick: bool = False) -> dict:
+    from csd_pipeline.align_stage import load_bundle, run_align
+    from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.tables import build_table
+
+    with tempfile.TemporaryDirectory(prefix="bench-align-") as tmp_name:
+        tmp = Path(tmp_name)
+        corpus, corpus_note = _corpus(tmp, quick)
+        size_mb = corpus.stat().st_size / 1e6
+        start = time.perf_counter()
+        student = load_bundle(str(tokenizer_path(STUDENT)))
+        teacher = load_bundle(str(tokenizer_path(TEACHER)))
+        student.tokenizer, teacher.tokenizer  # noqa: B018 (build the Rust tokenizers now)
+        load_seconds = time.perf_counter() - start
+        # Tables are built once, outside the timings (align copies them: `--tables`).
+        tables = [(str(tmp / "s2t.safetensors"), str(tmp / "t2s.safetensors"))]
+        build_table(student, teacher).save(tables[0][0])
+        build_table(teacher, student).save(tables[0][1])
+        texts = _documents(corpus)
+        floor = _floor_seconds([student, teacher], texts)
+
+        start = time.perf_counter()
+        run_align(_config(corpus, tmp / "one", tables), workers=1)
+        align_seconds = time.perf_counter() - start
+        floor_after = _floor_seconds([student, teacher], texts)
+        floor = min(floor, floor_after)  # the machine is shared: take the faster floor (the stricter ratio)
+
+        start = time.perf_counter()
+        run_align(_config(corpus, tmp / "two", tables), workers=2)
+        two_seconds = time.perf_counter() - start
+        identical = _shard_hashes(tmp / "one") == _shard_hashes(tmp / "two")
+
+        manifest = json.loads((tmp / "one" / "manifest.json").read_text())
+        stats = manifest["totals"]["stats"]
+        tokens = stats["tokens"]["student"] + stats["tokens"]["teacher0"]
+
+        small = tmp / "small.txt"
+        data = corpus.read_bytes()
+        small.write_bytes(_cut_at_blank_line(data, len(data) // 4))
+        peak_small = _peak_memory_mb(small, tmp / "mem-small", tables)
+        peak_large = _peak_memory_mb(corpus, tmp / "mem-large", tables)
+
+    ratio = align_seconds / floor
+    growth = peak_large / peak_small
+    return {
+        "name": "align",
+        "metrics": {
+            "corpus": corpus_note,
+            "corpus_mb": round(size_mb, 3),
+            "documents": len(texts),
+            "document_split": "one per blank-line-separated block (--split-on-blank-lines)",
+            "rows": manifest["totals"]["rows"],
+            "shards": manifest["totals"]["shards"],
+            "student_tokens": stats["tokens"]["student"],
+            "teacher_tokens": stats["tokens"]["teacher0"],
+            "floor_seconds": round(floor, 3),
+            "align_seconds_1_worker": round(align_seconds, 3),
+            "tokenizer_load_seconds": round(load_seconds, 3),
+            "align_seconds_2_workers": round(two_seconds, 3),
+            "speedup_2_workers": round((align_seconds + load_seconds) / two_seconds, 3),
+            "mb_per_second": round(size_mb / align_seconds, 3),
+            "tokens_per_second": round(tokens / align_seconds),
+            "peak_rss_mb_quarter_corpus": round(peak_small, 1),
+            "peak_rss_mb_full_corpus": round(peak_large, 1),
+            "rayon_num_threads": os.environ.get("RAYON_NUM_THREADS", "(unset)"),
+            "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "(unset)"),
+            "cpus": os.cpu_count(),
+        },
+        "checks": {
+            "align_over_tokenize_floor": {"value": round(ratio, 3), "limit": LIMIT_RATIO, "ok": ratio <= LIMIT_RATIO},
+            "workers_1_vs_2_byte_identical": {"value": float(identical), "limit": 1.0, "ok": identical},
+            "peak_memory_growth_4x_corpus": {"value": round(growth, 3), "limit": LIMIT_MEMORY_GROWTH,
+                                             "ok": growth <= LIMIT_MEMORY_GROWTH},
+        },
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(quick="--quick" in sys.argv[1:]), indent=2))
