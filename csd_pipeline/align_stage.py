@@ -95,6 +95,8 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     from csd_pipeline.executor import (
         ShardTask,
         StageRun,
+        check_identity,
+        check_or_record_run,
         read_run_record,
         resolve_rank,
         run_stage,
@@ -134,6 +136,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         },
     }
     options = ReadOptions(config.text_field, config.split_on_blank_lines)
+    check_identity(out, STAGE, identity)  # before anything is written into the directory
     tasks = _recorded_tasks(out, identity, read_run_record)
     if tasks is None:
         log_line(log, f"planning shards over {len(files)} corpus file(s)...")
@@ -144,8 +147,6 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
             for seg in spec["segments"]:
                 seg.pop("file")
             tasks.append(ShardTask(index, shard_name(index % world_size, index), spec))
-    out.mkdir(parents=True, exist_ok=True)
-    tables = _prepare_tables(out, config, student, teachers, log)
     run = StageRun(
         stage=STAGE,
         schema_version=SCHEMA_VERSION,
@@ -164,8 +165,11 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
             "batch_bytes": config.batch_bytes,
             "trust_remote_code": config.trust_remote_code,
         },
-        extra={"tables": tables},
+        extra={"tables": _table_records(student, teachers)},
     )
+    out.mkdir(parents=True, exist_ok=True)
+    check_or_record_run(run)
+    _prepare_tables(out, config, student, teachers, log)
     return run_stage(run, rank=rank, world_size=world_size, workers=workers, log=log)
 
 
@@ -224,14 +228,27 @@ def _recorded_tasks(out: Path, identity: dict, read_run_record):
     return [ShardTask(t["index"], t["name"], t["spec"]) for t in record["tasks"]]
 
 
-def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> list[dict]:
-    """Copy (or build) each teacher's two tables into DIR/tables/teacher{i}/; return their records."""
+TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")
+
+
+def _table_records(student, teachers) -> list[dict]:
+    """Where each teacher's tables live inside DIR, with the fingerprints they were made for."""
+    return [{
+        "teacher": i,
+        "student_to_teacher": f"tables/teacher{i}/{TABLE_NAMES[0]}",
+        "teacher_to_student": f"tables/teacher{i}/{TABLE_NAMES[1]}",
+        "student_fingerprint": student.vocab.fingerprint,
+        "teacher_fingerprint": teacher.vocab.fingerprint,
+    } for i, teacher in enumerate(teachers)]
+
+
+def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> None:
+    """Copy (or build) each teacher's two tables into DIR/tables/teacher{i}/ unless already there."""
     from csd_pipeline.tables import build_table
 
-    records = []
+    names = TABLE_NAMES
     for i, teacher in enumerate(teachers):
         folder = out / "tables" / f"teacher{i}"
-        names = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")
         wanted = ((student.vocab.fingerprint, teacher.vocab.fingerprint), (teacher.vocab.fingerprint, student.vocab.fingerprint))
         for name, (source_fp, destination_fp), position in zip(names, wanted, (0, 1)):
             target = folder / name
@@ -255,14 +272,6 @@ def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> l
                 tmp = target.with_name(f"{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
                 build_table(source, destination).save(tmp)
                 os.replace(tmp, target)
-        records.append({
-            "teacher": i,
-            "student_to_teacher": f"tables/teacher{i}/{names[0]}",
-            "teacher_to_student": f"tables/teacher{i}/{names[1]}",
-            "student_fingerprint": student.vocab.fingerprint,
-            "teacher_fingerprint": teacher.vocab.fingerprint,
-        })
-    return records
 
 
 def table_fingerprints(path) -> tuple[str, str]:

@@ -211,6 +211,34 @@ def _differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
     return keys
 
 
+def check_identity(directory, stage: str, identity: dict) -> None:
+    """Raise `CsdError` when `directory` holds the output (manifest) or the run record of another run:
+    a different stage, or identity values (config, inputs, fingerprints) that differ from `identity`.
+
+    Cheap; stages call it before doing any work that writes into the directory.
+    """
+    out = Path(directory)
+    for key in identity:
+        if key in RESERVED_KEYS:
+            raise ValueError(f"identity key {key!r} is reserved by the manifest format")
+    for path, kind in ((out / MANIFEST_NAME, "manifest"), (out / RUN_NAME, "run")):
+        if not path.is_file():
+            continue
+        try:
+            found = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            found = None
+        if not isinstance(found, dict):
+            raise CsdError(f"{path} is unreadable; delete {out} (or pass a new --output) and run the stage again.")
+        recorded = found.get("identity", {}) if kind == "run" else {key: found.get(key) for key in identity}
+        differ = _differing_keys(recorded, identity)
+        if found.get("stage") != stage or differ:
+            raise CsdError(
+                f"{out} already holds the output of another {found.get('stage', 'unknown')} run "
+                f"(its {', '.join(differ) or 'stage'} differ from this run's); pass a new --output or delete {out}."
+            )
+
+
 def check_or_record_run(run: StageRun) -> dict:
     """Record `run` in `DIR/run.json`, or check that the recorded run is this one.
 
@@ -218,45 +246,27 @@ def check_or_record_run(run: StageRun) -> dict:
     output (a different stage, config or inputs, or a different shard layout).
     """
     out = Path(run.output_dir)
-    for key in run.identity:
-        if key in RESERVED_KEYS:
-            raise ValueError(f"identity key {key!r} is reserved by the manifest format")
+    check_identity(out, run.stage, run.identity)
     record = _run_record(run)
-    manifest_path = out / MANIFEST_NAME
-    if manifest_path.is_file():
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            manifest = {}
-        recorded = {key: manifest.get(key) for key in run.identity}
-        differ = _differing_keys(recorded, run.identity)
-        if manifest.get("stage") != run.stage or differ:
-            raise CsdError(
-                f"{out} already holds the output of another {manifest.get('stage', 'unknown')} run "
-                f"(its {', '.join(differ) or 'stage'} differ from this run's); pass a new --output or delete {out}."
-            )
     run_path = out / RUN_NAME
-    if run_path.is_file():
-        try:
-            existing = json.loads(run_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            existing = None
-        if existing != record:
-            if existing is None or existing.get("stage") != run.stage or existing.get("identity") != run.identity:
-                what = _differing_keys((existing or {}).get("identity") or {}, run.identity) or ["stage"]
-                raise CsdError(
-                    f"{out} holds another {(existing or {}).get('stage', 'unknown')} run (its {', '.join(what)} "
-                    f"differ from this run's); pass a new --output or delete {out}."
-                )
-            raise CsdError(
-                f"{out} was started with a different shard layout ({len(existing.get('tasks', []))} shards named "
-                f"{existing['tasks'][0]['name'] if existing.get('tasks') else '-'}...; now "
-                f"{len(record['tasks'])} named {record['tasks'][0]['name'] if record['tasks'] else '-'}...), "
-                "usually a different --world-size or shard size; re-run with the original settings or use a new --output."
-            )
-        return existing
-    atomic_write_json(run_path, record)
-    return record
+    if not run_path.is_file():
+        atomic_write_json(run_path, record)
+        return record
+    existing = json.loads(run_path.read_text(encoding="utf-8"))
+    if existing.get("tasks") != record["tasks"]:
+        old, new = existing.get("tasks") or [], record["tasks"]
+        raise CsdError(
+            f"{out} was started with a different shard layout ({len(old)} shards, first "
+            f"{old[0]['name'] if old else '-'}; now {len(new)}, first {new[0]['name'] if new else '-'}), "
+            "usually a different --world-size or shard size; re-run with the original settings or use a new --output."
+        )
+    differ = [key for key in record if existing.get(key) != record[key]]
+    if differ:
+        raise CsdError(
+            f"{out} was started by another version or setting of the {run.stage} stage (its {', '.join(differ)} "
+            f"differ); use a new --output or delete {out}."
+        )
+    return existing
 
 
 def read_run_record(directory) -> dict:

@@ -263,8 +263,12 @@ def test_user_errors_are_one_sentence(tmp_path, small_corpus, tables_for, one_wo
     tables = [tables_for("llama-bpe", "qwen2")]
     with pytest.raises(CsdError, match="does not exist"):
         run_align(config(tmp_path / "missing", tmp_path / "o1", tables))
+    before = tree(one_worker_run)
     with pytest.raises(CsdError, match=r"another align run \(its config.max_student_tokens, config.max_teacher_tokens differ"):
         run_align(config(small_corpus, one_worker_run, tables, max_student_tokens=512))
+    with pytest.raises(CsdError, match=r"another align run \(its tokenizers.teachers differ"):
+        run_align(config(small_corpus, one_worker_run, [tables_for("llama-bpe", "llama-bpe")], teacher_tokenizers=["llama-bpe"]))
+    assert tree(one_worker_run) == before  # nothing of the other run was touched
     swapped = [tuple(reversed(tables[0]))]
     with pytest.raises(CsdError, match="does not match the tokenizers of teacher 0"):
         run_align(config(small_corpus, tmp_path / "o2", swapped))
