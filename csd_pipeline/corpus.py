@@ -65,6 +65,7 @@ class ReadOptions:
 
     text_field: str = "text"
     split_on_blank_lines: bool = False
+    whole_record: bool = False  # chat mode: a document's text is its whole record as JSON (messages, tools)
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,8 @@ def _record_sizes(file: CorpusFile, options: ReadOptions) -> Iterator[tuple[int,
 
 
 def _json_size(record, options: ReadOptions) -> int:
+    if options.whole_record:
+        return len(json.dumps(record, ensure_ascii=False, default=str))
     text = record.get(options.text_field) if isinstance(record, dict) else None
     return len(text) if isinstance(text, str) else 1
 
@@ -298,6 +301,8 @@ def _jsonl_document(source: str, index: int, raw: bytes, options: ReadOptions) -
 def _record_document(source: str, index: int, record, options: ReadOptions) -> Document:
     if not isinstance(record, dict):
         return Document(source, index, None, "record_not_object")
+    if options.whole_record:
+        return _checked_text(source, index, json.dumps(record, ensure_ascii=False, default=str))
     if options.text_field not in record or record[options.text_field] is None:
         return Document(source, index, None, "missing_text_field")
     return _checked_text(source, index, record[options.text_field])
@@ -362,7 +367,11 @@ def _parquet_documents(file: CorpusFile, first: int, count: int, options: ReadOp
     for group_index, (rows, _) in enumerate(_parquet_row_groups(file)):
         lo, hi = max(first, start), min(first + count, start + rows)
         if lo < hi:
-            if not has_field:
+            if options.whole_record:
+                records = parquet.read_row_group(group_index).slice(lo - start, hi - lo).to_pylist()
+                for offset, record in enumerate(records):
+                    yield _record_document(file.source, lo + offset, record, options)
+            elif not has_field:
                 for i in range(lo, hi):
                     yield Document(file.source, i, None, "missing_text_field")
             else:
