@@ -13,7 +13,8 @@ import click
               help="A teacher's tokenizer; repeat for several teachers (columns teacher0_*, teacher1_*, ...).")
 @click.option("--output", required=True, type=click.Path(file_okay=False), help="Output directory (resumable).")
 @click.option("--mode", type=click.Choice(["text", "chat"]), default="text", show_default=True,
-              help="text: align the whole text (chat mode is not available yet).")
+              help="text: align the whole text; chat: render each model's chat template and align the final "
+                   "assistant turn (docs/CHAT.md).")
 @click.option("--max-student-tokens", default=2048, show_default=True, type=int,
               help="Window limit of the student, context token included.")
 @click.option("--max-teacher-tokens", "max_teacher_tokens", multiple=True, type=int,
@@ -33,11 +34,25 @@ import click
 @click.option("--rank", type=int, default=None, help="This machine's rank (default: RANK or SLURM_PROCID, else 0).")
 @click.option("--world-size", type=int, default=None,
               help="Number of machines (default: WORLD_SIZE or SLURM_NTASKS, else 1).")
+@click.option("--student-chat-template", type=click.Path(dir_okay=False),
+              help="Chat mode: the student's template (.jinja, tokenizer_config.json or GGUF; default: the tokenizer's).")
+@click.option("--teacher-chat-template", "teacher_chat_templates", multiple=True,
+              help="Chat mode: a teacher's template file, once for all or once per teacher in order "
+                   "(`default`: that teacher tokenizer's own).")
+@click.option("--include-thinking", is_flag=True,
+              help="Chat mode: train on the final turn's reasoning and its closing marker too (not the opening scaffold).")
+@click.option("--alignment-regions", "alignment_regions", multiple=True,
+              help="Chat mode with --include-thinking: KD only on these regions, comma-separated from "
+                   "reasoning,close,answer,eot (default: all).")
+@click.option("--drop-first-assistant-chunk", "drop_first_assistant_chunk", multiple=True, type=int,
+              help="Chat mode: for this teacher index (repeatable), exclude the first accepted chunk of the final "
+                   "assistant message from KD.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow a hub tokenizer's remote code (off by default).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_student_tokens, max_teacher_tokens,
           no_context_token, tables, text_field, split_on_blank_lines, shard_mb, batch_mb, workers, rank, world_size,
-          trust_remote_code, quiet):
+          student_chat_template, teacher_chat_templates, include_thinking, alignment_regions,
+          drop_first_assistant_chunk, trust_remote_code, quiet):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""
     from csd_pipeline.align_stage import AlignConfig, run_align
 
@@ -56,6 +71,11 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
         tables=[tuple(pair) for pair in tables],
         batch_bytes=max(1, int(batch_mb * (1 << 20))),
         trust_remote_code=trust_remote_code,
+        student_chat_template=student_chat_template,
+        teacher_chat_templates=list(teacher_chat_templates),
+        include_thinking=include_thinking,
+        alignment_regions=list(alignment_regions),
+        drop_first_assistant_chunk=list(drop_first_assistant_chunk),
     )
     log = None if quiet else (lambda message: click.echo(message, err=True))
     report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)

@@ -30,7 +30,7 @@ COMPRESSION_LEVEL = 3
 
 @dataclass
 class AlignConfig:
-    """Options of `csd-pipeline align` (text mode)."""
+    """Options of `csd-pipeline align` (text mode; chat mode in `chat_align.py`, docs/CHAT.md)."""
 
     corpus: list[str]
     student_tokenizer: str
@@ -46,13 +46,19 @@ class AlignConfig:
     tables: list[tuple[str, str]] = field(default_factory=list)  # per teacher (student->teacher, teacher->student)
     batch_bytes: int = 1 << 20
     trust_remote_code: bool = False
+    # chat mode (csd_pipeline/chat_align.py)
+    student_chat_template: str | None = None
+    teacher_chat_templates: list[str] = field(default_factory=list)  # once for all, or once per teacher
+    include_thinking: bool = False
+    alignment_regions: list[str] = field(default_factory=list)
+    drop_first_assistant_chunk: list[int] = field(default_factory=list)  # teacher indices
 
     def validate(self) -> None:
         """Raise `CsdError` naming the option that is wrong."""
-        if self.mode == "chat":
-            raise CsdError("--mode chat is not available in this version of the align stage; use --mode text.")
-        if self.mode != "text":
-            raise CsdError(f"--mode {self.mode!r} is unknown; use --mode text.")
+        from csd_pipeline.chat_align import chat_options
+
+        if self.mode not in ("text", "chat"):
+            raise CsdError(f"--mode {self.mode!r} is unknown; use --mode text or --mode chat.")
         if not self.teacher_tokenizers:
             raise CsdError("no teacher tokenizer given; pass --teacher-tokenizer at least once.")
         if self.max_student_tokens < 2:
@@ -71,6 +77,7 @@ class AlignConfig:
             )
         if self.shard_bytes < 1 or self.batch_bytes < 1:
             raise CsdError("--shard-mb must be positive.")
+        chat_options(self)
 
     def teacher_limits(self) -> list[int]:
         """The window limit of each teacher."""
@@ -135,7 +142,13 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
             "teachers": [_tokenizer_record(t, p, a) for t, p, a in zip(teachers, teacher_paths, config.teacher_tokenizers)],
         },
     }
-    options = ReadOptions(config.text_field, config.split_on_blank_lines)
+    chat = None
+    if config.mode == "chat":
+        from csd_pipeline.chat_align import prepare_chat
+
+        chat = prepare_chat(config, student, teachers, files)
+        identity["config"]["chat"] = chat
+    options = ReadOptions(config.text_field, config.split_on_blank_lines, whole_record=chat is not None)
     check_identity(out, STAGE, identity)  # before anything is written into the directory
     tasks = _recorded_tasks(out, identity, read_run_record)
     if tasks is None:
@@ -164,6 +177,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
             "context_token": config.context_token,
             "batch_bytes": config.batch_bytes,
             "trust_remote_code": config.trust_remote_code,
+            **({"chat": chat} if chat else {}),
         },
         extra={"tables": _table_records(student, teachers)},
     )
@@ -309,8 +323,13 @@ def make_shard_processor(config: dict):
     """The executor factory: load the tokenizers once, return `process(task, tmp_path) -> ShardResult`."""
     student = load_bundle(config["student"], config["trust_remote_code"])
     teachers = [load_bundle(t, config["trust_remote_code"]) for t in config["teachers"]]
-    aligner = BatchAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
-                           config["context_token"])
+    if config.get("chat"):
+        from csd_pipeline.chat_align import make_chat_aligner
+
+        aligner = make_chat_aligner(config, student, teachers)
+    else:
+        aligner = BatchAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
+                               config["context_token"])
 
     def process(task, tmp_path: Path):
         return write_shard(task.spec, tmp_path, aligner, config)
@@ -325,7 +344,7 @@ def write_shard(spec: dict, tmp_path: Path, aligner: BatchAligner, config: dict)
     from csd_pipeline.corpus import CorpusFile, ReadOptions, read_segment
     from csd_pipeline.executor import ShardResult
 
-    options = ReadOptions(config["text_field"], config["split_on_blank_lines"])
+    options = ReadOptions(config["text_field"], config["split_on_blank_lines"], whole_record=bool(config.get("chat")))
     stats = aligner.new_stats()
     schema = aligned_schema(len(aligner.teachers))
     rows = 0
