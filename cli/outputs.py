@@ -47,7 +47,7 @@ def inspect(directory, as_json):
         return
     click.echo(f"{directory}: {report['stage']} output, schema version {report['schema_version']}")
     click.echo(f"shards: {report['shards']}, rows: {report['rows']}, bytes on disk: {report['bytes_on_disk']}")
-    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections"):
+    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections", "chat"):
         if key in report:
             click.echo(f"{key}: {json.dumps(report[key], sort_keys=True)}")
 
@@ -83,4 +83,8 @@ def summarise(manifest: dict) -> dict:
         "chunks": {t: {k: v for k, v in stats[t]["chunk_status"].items() if k not in ("ACCEPTED", "SPECIAL") and v}
                    for t in teachers},
     }
+    if "chat" in stats:  # chat mode: supervised (loss-mask) tokens and bytes, first chunks dropped from KD
+        rows = stats.get("windows", 0)
+        per_row = round(stats["chat"].get("supervised_student_tokens", 0) / rows, 2) if rows else None
+        report["chat"] = {**stats["chat"], "supervised_student_tokens_per_row": per_row}
     return report
