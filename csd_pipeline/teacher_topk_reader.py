@@ -1,0 +1,151 @@
+"""Read teacher top-k shards (SPEC §8): `read_teacher_topk(DIR)` and `read_teacher_shard(DIR, FILE)`.
+
+Rows come in the aligned order (the shards are co-partitioned with the aligned shards). Each row
+gives `row_id`, `ids` int32 [T, k], `logprobs` float32 [T, k] (descending; every value within
+0.0098 nat of the teacher's float32 log-probability), `observed_logprob` float32 [T] (the
+log-probability of token t+1 given tokens up to t; NaN at the last position) and `status`
+(`schemas.teacher_topk.RowStatus`; a rejected row has empty [0, k] arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from csd_pipeline.errors import CsdError
+
+
+@dataclass
+class TeacherTopkRow:
+    """The teacher's stored values for one aligned row (see the module docstring)."""
+
+    row_id: str
+    ids: np.ndarray
+    logprobs: np.ndarray
+    observed_logprob: np.ndarray
+    status: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when the row holds values (status 0); rejected rows must be left out of the KD loss."""
+        return self.status == 0
+
+
+class TeacherShard(Sequence):
+    """One teacher top-k shard: `len()`, indexing (decodes the row's block, keeps the last one) and
+    iteration in row order. Raises CsdError when the file is not a teacher top-k shard of a known
+    encoding."""
+
+    def __init__(self, path):
+        import pyarrow.parquet as pq
+
+        from csd_pipeline.topk_codec import ENCODING
+        from schemas.teacher_topk import SCHEMA_VERSION
+
+        self.path = Path(path)
+        try:
+            self._file = pq.ParquetFile(str(self.path))
+        except (OSError, ValueError) as err:
+            raise CsdError(f"teacher shard {self.path} is missing or unreadable ({err}); re-run teacher-logits.") from None
+        metadata = self._file.schema_arrow.metadata or {}
+        if metadata.get(b"csd.schema") != b"teacher_topk":
+            raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
+        version = metadata.get(b"csd.schema_version", b"?").decode()
+        encoding = metadata.get(b"csd.encoding", b"?").decode()
+        if version != str(SCHEMA_VERSION) or encoding != ENCODING:
+            raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
+                           f"csd-pipeline reads version {SCHEMA_VERSION} / {ENCODING}; re-run teacher-logits.")
+        self.k = int(metadata[b"csd.k"])
+        table = self._file.read(columns=["row_id", "status", "positions", "block"])
+        self.row_ids = table.column("row_id").to_pylist()
+        self.status = table.column("status").to_numpy()
+        self.positions = table.column("positions").to_numpy().astype(np.int64)
+        self.block = table.column("block").to_numpy()
+        blocks = int(self.block.max()) + 1 if len(self.block) else 0
+        if blocks != self._file.metadata.num_row_groups:
+            raise CsdError(f"teacher shard {self.path} has {self._file.metadata.num_row_groups} row groups for {blocks} "
+                           "blocks; the file is corrupt, re-run teacher-logits.")
+        starts = np.searchsorted(self.block, np.arange(blocks + 1))
+        self._block_rows = [(int(starts[b]), int(starts[b + 1])) for b in range(blocks)]
+        if any(self._file.metadata.row_group(b).num_rows != last - first for b, (first, last) in enumerate(self._block_rows)):
+            raise CsdError(f"teacher shard {self.path}: its row groups are not its blocks; the file is corrupt, re-run "
+                           "teacher-logits.")
+        self._cached: tuple[int, list[TeacherTopkRow]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def _decode(self, block: int) -> list[TeacherTopkRow]:
+        from csd_pipeline.topk_codec import decode_block
+
+        if self._cached is not None and self._cached[0] == block:
+            return self._cached[1]
+        first, last = self._block_rows[block]
+        payload = self._file.read_row_group(block, columns=["payload"]).column("payload")[0].as_py()
+        if payload is None:
+            raise CsdError(f"teacher shard {self.path}: block {block} has no payload; the file is corrupt, re-run "
+                           "teacher-logits.")
+        ok = self.status[first:last] == 0
+        lengths = self.positions[first:last][ok]
+        mask = np.ones(int(lengths.sum()), dtype=bool)
+        mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
+        ids, logprobs, observed = decode_block(payload, mask)
+        rows, offset = [], 0
+        for index in range(first, last):
+            if self.status[index] != 0:
+                empty = np.zeros((0, self.k), np.int32)
+                rows.append(TeacherTopkRow(self.row_ids[index], empty, empty.astype(np.float32),
+                                           np.zeros(0, np.float32), int(self.status[index])))
+                continue
+            part = slice(offset, offset + int(self.positions[index]))
+            rows.append(TeacherTopkRow(self.row_ids[index], ids[part], logprobs[part], observed[part], 0))
+            offset = part.stop
+        self._cached = (block, rows)
+        return rows
+
+    def __getitem__(self, index: int) -> TeacherTopkRow:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of a teacher shard with {len(self)} rows")
+        index %= len(self)
+        block = int(self.block[index])
+        return self._decode(block)[index - self._block_rows[block][0]]
+
+    def __iter__(self) -> Iterator[TeacherTopkRow]:
+        for block in range(len(self._block_rows)):
+            yield from self._decode(block)
+
+
+def read_teacher_shard(directory, shard_file) -> TeacherShard:
+    """One shard of a teacher-logits output (`shard_file` as listed in its manifest), as a `TeacherShard`."""
+    return TeacherShard(Path(directory) / shard_file)
+
+
+def teacher_manifest(directory) -> dict:
+    """The checked manifest of a teacher-logits output (ManifestError naming the stage to re-run)."""
+    from csd_pipeline.manifest import read_manifest
+    from schemas.teacher_topk import SCHEMA_VERSION, STAGE
+
+    return read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION])
+
+
+def read_teacher_topk(directory) -> Iterator[TeacherTopkRow]:
+    """Yield every row of a teacher-logits output, shard by shard in manifest order, rows in aligned order.
+
+    Raises CsdError (before yielding) when the directory has no manifest, is another stage's output,
+    has an unknown schema version or misses a shard.
+    """
+    from csd_pipeline.manifest import verify_shards
+
+    manifest = teacher_manifest(directory)
+    problems = verify_shards(manifest, directory)
+    if problems:
+        raise CsdError(f"{directory}: {problems[0]}; re-run csd-pipeline teacher-logits.")
+
+    def rows():
+        for shard in manifest["shards"]:
+            yield from read_teacher_shard(directory, shard["file"])
+
+    return rows()

@@ -1,0 +1,428 @@
+"""The teacher-logits stage, end to end through the real align stage and real tokenizers.
+
+A tiny random-initialised Llama (vocabulary = SmolLM2's 49,152 ids + 64 padded output rows) is
+checked against a direct float64 full-softmax computation of each row alone; the real
+SmolLM2-135M-Instruct teacher is checked against its own loss on the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from csd_pipeline.topk_codec import MAX_ABS_ERROR
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 49152  # SmolLM2's tokenizer
+PADDED = 64  # extra output rows of the tiny teacher, as in models whose embedding is padded
+K = 8
+# Stored values are within 1/102 nat of the float32 teacher; float32 vs the float64 reference adds < 1e-4.
+TOLERANCE = MAX_ABS_ERROR + 1e-4
+assert TOLERANCE < 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: one aligned directory (real align stage), a tiny teacher
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quiet_machine(tmp_path_factory):
+    """Model-file hashes cached in a temporary folder; one torch thread for the tiny teacher (its matmuls
+    are too small to share between threads, and on a busy machine two threads wait on each other)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CSD_HASH_CACHE", str(tmp_path_factory.mktemp("hash-cache")))
+        yield threads
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory, tokenizer_path) -> Path:
+    """Real text aligned (gpt-2 student, SmolLM2 teacher): 3 shards, 12 rows of 4 to 126 teacher tokens."""
+    from csd_pipeline.align_stage import AlignConfig, run_align
+
+    out = tmp_path_factory.mktemp("aligned")
+    config = AlignConfig(
+        corpus=[str(DATA / "kjv-genesis-slice.txt"), str(DATA / "python-docs-generators-slice.txt")],
+        student_tokenizer=str(tokenizer_path("gpt-2")), teacher_tokenizers=[str(tokenizer_path("smollm2"))],
+        output=str(out), max_student_tokens=128, split_on_blank_lines=True, shard_bytes=1000,
+    )
+    run_align(config, rank=0, world_size=1, log=None)
+    return out
+
+
+def aligned_rows(directory: Path) -> list[tuple[str, str, np.ndarray]]:
+    """(shard file, row_id, teacher ids) of every aligned row, in order."""
+    import pyarrow.parquet as pq
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    rows = []
+    for shard in manifest["shards"]:
+        table = pq.read_table(directory / shard["file"], columns=["row_id", "teacher0_ids"])
+        for row_id, ids in zip(table.column("row_id").to_pylist(), table.column("teacher0_ids").to_pylist()):
+            rows.append((shard["file"], row_id, np.asarray(ids, np.int64)))
+    return rows
+
+
+def make_tiny_teacher(folder: Path, tokenizer_dir: Path, *, poison: int | None = None, output_size: int = VOCAB + PADDED,
+                      tokenizer: bool = True) -> Path:
+    """A random 2-layer Llama with `output_size` outputs, saved as a HF folder with the given tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=output_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # logits spread over several nats
+        if output_size > VOCAB:
+            model.lm_head.weight[VOCAB:] *= 1.6  # padded rows: big logits, they must still stay out of the top-k
+        if poison is not None:
+            model.model.embed_tokens.weight[poison] = float("nan")
+    model.save_pretrained(str(folder))
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_teacher(tmp_path_factory, tokenizer_path) -> Path:
+    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
+
+
+def run_stage(aligned_dir, teacher, output, **options):
+    from csd_pipeline.teacher_logits import TeacherLogitsConfig, run_teacher_logits
+
+    rank = options.pop("rank", 0)
+    world_size = options.pop("world_size", 1)
+    config = TeacherLogitsConfig(aligned=str(aligned_dir), teacher=str(teacher), output=str(output),
+                                 **{"top_k": K, "batch_tokens": 512, **options})
+    return run_teacher_logits(config, rank=rank, world_size=world_size, log=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_output(tmp_path_factory, aligned, tiny_teacher) -> Path:
+    out = tmp_path_factory.mktemp("teacher-out")
+    report = run_stage(aligned, tiny_teacher, out)
+    assert report.complete
+    return out
+
+
+def output_bytes(directory: Path) -> dict[str, bytes]:
+    """Every shard, marker, stats file and the manifest (what must be identical across runs)."""
+    names = [p for p in sorted(directory.rglob("*")) if p.is_file() and not p.name.endswith(".tmp")]
+    return {str(p.relative_to(directory)): p.read_bytes() for p in names}
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+def float64_reference(model_dir: Path, ids: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """log-softmax over the model's whole output, float64, this row alone (no batch, no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = _float64_models.get(str(model_dir))
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64).eval()
+        _float64_models[str(model_dir)] = model
+    with torch.inference_mode():
+        logits = model(torch.tensor(ids[None, :])).logits[0].double() / temperature
+        return torch.log_softmax(logits, dim=-1).numpy()
+
+
+_float64_models: dict = {}
+
+
+def check_row_against_reference(row, ids: np.ndarray, reference: np.ndarray, k: int) -> None:
+    """Stored top-k, log-probs and observed log-probs of one row vs the dense float64 reference."""
+    positions = len(ids)
+    assert row.ids.shape == (positions, k) and row.logprobs.shape == (positions, k)
+    assert row.observed_logprob.shape == (positions,)
+    assert row.ids.max() < VOCAB  # padded output rows never enter the top-k
+    real = reference[:, :VOCAB]
+    kth = -np.sort(-real, axis=1)[:, k - 1]
+    for t in range(positions):
+        stored = row.ids[t].astype(np.int64)
+        assert len(set(stored.tolist())) == k
+        # Every stored id is a top-k id of the reference (up to float noise at the k-th value) ...
+        assert np.all(real[t, stored] >= kth[t] - 1e-4)
+        # ... and every clear top-k id of the reference is stored.
+        clear = np.flatnonzero(real[t] > kth[t] + 1e-4)
+        assert set(clear.tolist()) <= set(stored.tolist())
+        assert np.all(np.abs(row.logprobs[t] - real[t, stored]) <= TOLERANCE)
+        assert np.all(np.diff(row.logprobs[t]) <= 0)
+    observed = reference[np.arange(positions - 1), ids[1:]]
+    assert np.all(np.abs(row.observed_logprob[:-1] - observed) <= TOLERANCE)
+    assert np.isnan(row.observed_logprob[-1])
+
+
+def test_tiny_teacher_matches_float64_reference(aligned, tiny_teacher, tiny_output):
+    from csd_pipeline import read_teacher_topk
+
+    rows = list(read_teacher_topk(tiny_output))
+    expected = aligned_rows(aligned)
+    assert [r.row_id for r in rows] == [row_id for _, row_id, _ in expected]  # aligned order
+    padded_top, normaliser_gap = 0, 0.0
+    for row, (_, _, ids) in zip(rows, expected):
+        assert row.ok
+        reference = float64_reference(tiny_teacher, ids)
+        check_row_against_reference(row, ids, reference, K)
+        padded_top += int((reference.argmax(axis=1) >= VOCAB).sum())
+        lse_real = np.log(np.exp(reference[:, :VOCAB]).sum(axis=1))  # < 0 when padded rows hold mass
+        normaliser_gap = max(normaliser_gap, float(-lse_real.min()))
+    # The padded rows matter here: unmasked they would top some positions, and normalising over the
+    # tokenizer's ids only would be off by far more than the tolerance.
+    assert padded_top > 0 and normaliser_gap > 0.1
+
+
+def test_rows_are_batched_with_padding_and_match_unbatched(aligned, tiny_teacher):
+    """The runner's batched values equal a forward of each row alone (float32, before encoding)."""
+    from csd_pipeline.model_loading import load_causal_lm
+    from csd_pipeline.teacher_logits import TeacherRunner, plan_batches
+
+    rows = [ids for _, _, ids in aligned_rows(aligned)]
+    batches = plan_batches([len(r) for r in rows], 512)
+    assert any(len({len(rows[i]) for i in batch}) > 1 for batch in batches)  # padding happens
+    loaded = load_causal_lm(str(tiny_teacher), device="cpu")
+    batched = TeacherRunner(loaded, top_k=K, vocab_limit=VOCAB, batch_tokens=512).run(rows)
+    alone = TeacherRunner(loaded, top_k=K, vocab_limit=VOCAB, batch_tokens=1).run(rows)
+    for a, b in zip(batched, alone):
+        assert a.finite and b.finite
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(a.observed, b.observed, atol=1e-4, rtol=0)
+        same = a.ids == b.ids
+        # An id may differ only where two entries are tied to float noise.
+        assert np.all(same | (np.abs(a.logprobs - b.logprobs) < 1e-4))
+
+
+def test_temperature_divides_the_logits(aligned, tiny_teacher, tmp_path):
+    from csd_pipeline import read_teacher_topk
+
+    run_stage(aligned, tiny_teacher, tmp_path / "out", temperature=2.0)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["config"]["temperature"] == 2.0
+    for row, (_, _, ids) in list(zip(read_teacher_topk(tmp_path / "out"), aligned_rows(aligned)))[:4]:
+        check_row_against_reference(row, ids, float64_reference(tiny_teacher, ids, temperature=2.0), K)
+
+
+def test_manifest_and_co_partitioning(aligned, tiny_teacher, tiny_output):
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.model_loading import model_fingerprint
+
+    manifest = json.loads((tiny_output / "manifest.json").read_text())
+    aligned_manifest = json.loads((aligned / "manifest.json").read_text())
+    assert manifest["stage"] == "teacher-logits" and manifest["schema_version"] == 1
+    assert manifest["config"]["top_k"] == K and manifest["config"]["encoding"] == "csd-topk-lzma-v1"
+    assert manifest["config"]["temperature"] == 1.0 and manifest["config"]["max_abs_error"] < 0.01
+    assert manifest["teacher"]["fingerprint"] == model_fingerprint(tiny_teacher)["sha256"]
+    assert set(manifest["teacher"]["files"]) == {"config.json", "model.safetensors"}
+    assert manifest["teacher"]["output_size"] == VOCAB + PADDED and manifest["teacher"]["tokenizer_size"] == VOCAB
+    assert manifest["aligned"]["manifest_sha256"] == hashlib.sha256((aligned / "manifest.json").read_bytes()).hexdigest()
+    assert [s["file"] for s in manifest["shards"]] == [s["file"] for s in aligned_manifest["shards"]]
+    for ours, theirs in zip(manifest["shards"], aligned_manifest["shards"]):
+        assert ours["rows"] == theirs["rows"]
+        left = pq.read_table(tiny_output / ours["file"], columns=["row_id"]).column("row_id").to_pylist()
+        right = pq.read_table(aligned / theirs["file"], columns=["row_id"]).column("row_id").to_pylist()
+        assert left == right
+    stats = manifest["totals"]["stats"]
+    assert stats["positions"] == sum(len(ids) for _, _, ids in aligned_rows(aligned))
+    assert stats["rejected"]["non_finite"] == 0
+
+
+def test_random_access_equals_iteration(tiny_output):
+    from csd_pipeline.teacher_topk_reader import read_teacher_shard
+
+    manifest = json.loads((tiny_output / "manifest.json").read_text())
+    shard = read_teacher_shard(tiny_output, manifest["shards"][0]["file"])
+    in_order = list(shard)
+    for index in (2, 0, len(shard) - 1, 1):
+        np.testing.assert_array_equal(shard[index].ids, in_order[index].ids)
+        np.testing.assert_array_equal(shard[index].logprobs, in_order[index].logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults, resume, ranks
+
+
+def test_non_finite_row_is_rejected_in_place(aligned, tiny_output, tokenizer_path, tmp_path):
+    from csd_pipeline import read_teacher_topk
+
+    rows = aligned_rows(aligned)
+    counts = {}
+    for _, _, ids in rows:
+        for token in set(ids.tolist()):
+            counts[token] = counts.get(token, 0) + 1
+    # A token of exactly one row (past the probe ids 0..15) gets a NaN embedding.
+    victim_row = next(i for i, (_, _, ids) in enumerate(rows) if any(counts[t] == 1 and t >= 16 for t in ids.tolist()))
+    poison = next(t for t in rows[victim_row][2].tolist() if counts[t] == 1 and t >= 16)
+    teacher = make_tiny_teacher(tmp_path / "poisoned", tokenizer_path("smollm2"), poison=poison)
+    run_stage(aligned, teacher, tmp_path / "out")
+    got = list(read_teacher_topk(tmp_path / "out"))
+    clean = list(read_teacher_topk(tiny_output))
+    assert [r.row_id for r in got] == [r.row_id for r in clean]  # co-partitioning kept
+    for index, (row, reference) in enumerate(zip(got, clean)):
+        if index == victim_row:
+            assert row.status == 1 and not row.ok and row.ids.shape == (0, K)
+        else:
+            assert row.ok
+            np.testing.assert_array_equal(row.ids, reference.ids)
+            np.testing.assert_allclose(row.logprobs, reference.logprobs, atol=2 * MAX_ABS_ERROR + 1e-5)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["totals"]["stats"]["rejected"]["non_finite"] == 1
+
+
+def cli(args, env_extra=None, check=True):
+    # One thread: the tiny teacher's matmuls are too small to share, and the machine may be busy.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env_extra or {}))
+    result = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def cli_args(aligned_dir, teacher, output):
+    return ["teacher-logits", "--aligned", str(aligned_dir), "--teacher", str(teacher), "--output", str(output),
+            "--top-k", str(K), "--batch-tokens", "512", "--device", "cpu"]
+
+
+def test_killed_run_resumes_to_the_same_bytes(aligned, tiny_teacher, tiny_output, tmp_path):
+    out = tmp_path / "out"
+    # SIGKILLed after the first shard is complete, with the second written but not yet renamed.
+    crashed = cli(cli_args(aligned, tiny_teacher, out), {"CSD_TEST_CRASH": "before_rename:2"}, check=False)
+    assert crashed.returncode != 0 and not (out / "manifest.json").exists()
+    assert (out / "done" / "part-00000-00000.done").is_file()
+    assert any(p.name.endswith(".tmp") for p in out.iterdir())
+    resumed = cli(cli_args(aligned, tiny_teacher, out))
+    assert "1 of 3 shards already complete" in resumed.stderr
+    assert output_bytes(out) == output_bytes(tiny_output)
+    # A complete output is skipped on a re-run.
+    again = run_stage(aligned, tiny_teacher, out)
+    assert again.complete and again.processed == []
+    assert output_bytes(out) == output_bytes(tiny_output)
+
+
+def test_ranks_split_shards_and_last_writes_manifest(aligned, tiny_teacher, tiny_output, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    first = run_stage(aligned, tiny_teacher, out, rank=None, world_size=None)
+    assert not first.complete and not (out / "manifest.json").exists()
+    assert first.processed == ["part-00000-00001"]
+    monkeypatch.setenv("RANK", "0")
+    second = run_stage(aligned, tiny_teacher, out, rank=None, world_size=None)
+    assert second.complete and second.processed == ["part-00000-00000", "part-00000-00002"]
+    produced = {k: v for k, v in output_bytes(out).items() if not k.startswith("stats/")}
+    expected = {k: v for k, v in output_bytes(tiny_output).items() if not k.startswith("stats/")}
+    assert produced == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one sentence on stderr, exit 2, no traceback (through the CLI's own error handling)
+
+
+def run_cli_captured(args, capsys) -> tuple[int, str]:
+    from cli.main import cli as group
+    from cli.main import run_cli
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(group, args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def _assert_one_line_error(outcome, *fragments):
+    code, stderr = outcome
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_cli_refuses_bad_inputs(aligned, tiny_teacher, tokenizer_path, tmp_path, capsys):
+    def attempt(aligned_dir, teacher, output, *more):
+        return run_cli_captured([*cli_args(aligned_dir, teacher, output), "--quiet", *more], capsys)
+
+    no_manifest = tmp_path / "no-manifest"
+    shutil.copytree(aligned, no_manifest)
+    (no_manifest / "manifest.json").unlink()
+    _assert_one_line_error(attempt(no_manifest, tiny_teacher, tmp_path / "o1"), "has no manifest.json")
+
+    future = tmp_path / "future"
+    shutil.copytree(aligned, future)
+    manifest = json.loads((future / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (future / "manifest.json").write_text(json.dumps(manifest))
+    _assert_one_line_error(attempt(future, tiny_teacher, tmp_path / "o2"), "schema version 99")
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    _assert_one_line_error(attempt(aligned, tiny_teacher, blocker / "out"), "not writable")
+
+    small = make_tiny_teacher(tmp_path / "small", tokenizer_path("smollm2"), output_size=1000, tokenizer=False)
+    _assert_one_line_error(attempt(aligned, small, tmp_path / "o3"), "1000 outputs", "49152 ids")
+
+    other = make_tiny_teacher(tmp_path / "other", tokenizer_path("gpt-2"), output_size=50257)
+    _assert_one_line_error(attempt(aligned, other, tmp_path / "o4"), "another tokenizer")
+
+    _assert_one_line_error(attempt(aligned, tiny_teacher, tmp_path / "o5", "--teacher-index", "3"), "--teacher-index 3")
+    _assert_one_line_error(attempt(aligned, tmp_path / "missing-model", tmp_path / "o6"), "no such file or folder")
+
+    # Without --quiet, progress lines come first; the error is still one line, last, without a traceback.
+    code, stderr = run_cli_captured(cli_args(aligned, small, tmp_path / "o7"), capsys)
+    assert code == 2 and stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The real teacher
+
+
+@pytest.mark.slow
+def test_real_smollm2_reproduces_its_own_loss(aligned, model_path, tmp_path, _quiet_machine):
+    """Mean stored observed log-prob == the model's own cross-entropy on the same rows (~670 tokens)."""
+    import torch
+
+    torch.set_num_threads(_quiet_machine)  # a real model: use every thread
+    from transformers import AutoModelForCausalLM
+
+    from csd_pipeline import read_teacher_topk
+
+    teacher = model_path("smollm2-135m-instruct")
+    run_stage(aligned, teacher, tmp_path / "out", top_k=32, batch_tokens=1024)
+    model = AutoModelForCausalLM.from_pretrained(str(teacher), dtype=torch.float32).eval()
+    stored_total, model_total, count = 0.0, 0.0, 0
+    for row, (_, _, ids) in zip(read_teacher_topk(tmp_path / "out"), aligned_rows(aligned)):
+        assert row.ok and row.ids.shape == (len(ids), 32)
+        if len(ids) < 2:
+            continue
+        with torch.inference_mode():
+            inputs = torch.tensor(ids[None, :])
+            loss = float(model(inputs, labels=inputs).loss)  # the model's own mean next-token CE
+        stored = -float(np.mean(row.observed_logprob[:-1].astype(np.float64)))
+        assert abs(stored - loss) <= MAX_ABS_ERROR + 1e-4
+        stored_total += stored * (len(ids) - 1)
+        model_total += loss * (len(ids) - 1)
+        count += len(ids) - 1
+    assert count > 300
+    assert abs(stored_total / count - model_total / count) <= MAX_ABS_ERROR + 1e-4
