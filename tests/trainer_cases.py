@@ -37,3 +37,12 @@ def make_trainer_data(root: Path) -> dict:
     out["student_config"] = root / "student.json"
     out["student_config"].write_text(json.dumps(STUDENT_CONFIG))
     return out
+
+
+def make_teacher_topk(aligned: Path, output: Path, top_k: int = 8) -> Path:
+    """Run the teacher-logits stage with the real SmolLM2-135M-Instruct teacher on `aligned`."""
+    from csd_pipeline.teacher_logits import TeacherLogitsConfig, run_teacher_logits
+
+    run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher="smollm2-135m-instruct", output=str(output),
+                                           top_k=top_k, device="cpu"))
+    return output

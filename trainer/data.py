@@ -80,14 +80,14 @@ def _find_key(manifest: dict, *paths: tuple[str, ...]):
 class TrainingData:
     """The checked inputs of a run and the factory of its loader."""
 
-    def __init__(self, config, aligned_dir: Path, manifest: dict, student_bundle, teachers: list[TeacherSource],
-                 num_teachers: int):
+    def __init__(self, config, aligned_dir: Path, manifest: dict, student_bundle, tokenizer_source: str,
+                 teachers: list[TeacherSource], num_teachers: int):
         self.config = config
         self.aligned_dir = aligned_dir
         self.manifest = manifest
         self.student_bundle = student_bundle
         self.student_vocab = student_bundle.vocab
-        self.student_tokenizer = config.student_tokenizer or config.student
+        self.student_tokenizer = tokenizer_source
         self.teachers = teachers
         self.num_teachers = num_teachers
         self.shard_files = [shard["file"] for shard in manifest["shards"]]
@@ -116,10 +116,10 @@ class TrainingData:
                 f"{config.seq_len}, so a window may not fit a packed row; raise --seq-len to {max_student} or re-run "
                 f"`{ALIGN_RERUN}` with --max-student-tokens <= {config.seq_len}"
             )
-        from csd_pipeline.fixtures import resolve_model_arg
+        from trainer.model import student_tokenizer_source
 
-        bundle = load_tokenizer(config.student_tokenizer or resolve_model_arg(config.student),
-                                trust_remote_code=config.trust_remote_code)
+        tokenizer_source = student_tokenizer_source(config)
+        bundle = load_tokenizer(tokenizer_source, trust_remote_code=config.trust_remote_code)
         recorded = _find_key(manifest, ("tokenizers", "student", "fingerprint"), ("student", "fingerprint"))
         require_fingerprint(manifest, aligned_dir, "student tokenizer", recorded, bundle.vocab.fingerprint)
         num_teachers = int(_find_key(manifest, ("num_teachers",)) or len(_find_key(manifest, ("tokenizers", "teachers")) or []))
@@ -146,7 +146,7 @@ class TrainingData:
                 if weight > 0:
                     directory, teacher_manifest = by_index[index]
                     teachers.append(TeacherSource(index, directory, teacher_manifest, weight))
-        return cls(config, aligned_dir, manifest, bundle, teachers, num_teachers)
+        return cls(config, aligned_dir, manifest, bundle, tokenizer_source, teachers, num_teachers)
 
     def loader(self, rank: int, world: int, state: dict | None):
         """This rank's endless stream of `MicroBatch`es, from loader `state` (None: the start)."""
@@ -378,7 +378,7 @@ class _BatchBuilder:
         return self._teacher_cache[key][row]
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
-        from csd_pipeline.events import build_row_events, ce_targets, collate_events
+        from csd_pipeline.events import build_row_events, ce_targets, collate_events, empty_events
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,
@@ -389,12 +389,14 @@ class _BatchBuilder:
         teachers, shapes = [], []
         for t, index in enumerate(spec.teacher_indices):
             context = self.contexts()[t]
-            rows = [
-                build_row_events(w.columns, index, self.teacher_row(t, w.shard, w.row), context,
-                                 spelling=spec.spelling, only_1to1=spec.only_1to1,
-                                 source=spec.shard_files[w.shard])
-                for w in windows
-            ]
+            rows = []
+            for w in windows:
+                topk = self.teacher_row(t, w.shard, w.row)
+                if not topk.ok:  # a rejected teacher row (non-finite values): CE only, counted
+                    rows.append(empty_events({"teacher_rows_rejected": 1}))
+                    continue
+                rows.append(build_row_events(w.columns, index, topk, context, spelling=spec.spelling,
+                                             only_1to1=spec.only_1to1, source=spec.shard_files[w.shard]))
             events = collate_events(rows, offsets)
             teachers.append(events)
             shapes.append(events.shape_counts())

@@ -183,7 +183,9 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
              sum(m.padding_tokens for m in micro)]
     for t in range(n_teachers):
         local += [sum(m.shape_counts[t][s] for m in micro) for s in range(4)]
+    local.append(sum(m.windows for m in micro))
     totals = distributed.all_reduce_sum(local, ctx.device)
+    rows = totals[-1]
     ce_tokens, tokens, padding = totals[0], totals[1], totals[2]
     shape_counts = [totals[3 + 4 * t: 7 + 4 * t] for t in range(n_teachers)]
     chunk_counts = [sum(c) for c in shape_counts]
@@ -220,6 +222,7 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
 
     record = {"loss": loss_total, "ce": ce_total, "kd": kd_total, "lr": lr, "grad_norm": grad_norm,
               "tokens": int(tokens), "ce_tokens": int(ce_tokens), "padding_tokens": int(padding),
+              "aligned_rows": int(rows), "supervised_tokens_per_row": ce_tokens / rows if rows else 0.0,
               "skipped": bool(nonfinite)}
     for s, key in enumerate(SHAPE_KEYS):
         record[f"chunks_{key}"] = int(sum(c[s] for c in shape_counts))

@@ -132,24 +132,33 @@ def build_student(config, tokenizer_size: int):
 
 
 def load_pretrained(name: str, attn_implementation: str, trust_remote_code: bool):
-    """`AutoModelForCausalLM.from_pretrained` with project errors (a local directory or a hub name)."""
-    import transformers
+    """Load `--student` (local HF folder, GGUF file, fixture or hub name) in float32 on the CPU.
 
-    from csd_pipeline.fixtures import resolve_model_arg
+    Uses `csd_pipeline.model_loading.load_causal_lm` (the teacher stage's loader), then switches
+    the attention kernel when `--attn-implementation` asks for another one.
+    """
+    from csd_pipeline.model_loading import load_causal_lm
 
-    name = resolve_model_arg(name)
-    local = Path(name)
-    if (name.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
-        raise CsdError(f"--student {name} is not an HF model directory (no config.json); pass a model directory "
-                       "or use --student-config FILE.json to start from scratch")
-    try:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            name, dtype=torch.float32, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-        )
-    except OSError as err:
-        raise CsdError(f"cannot load --student {name} ({str(err).splitlines()[0]}); pass a local HF directory "
-                       "or a hub name reachable from this machine") from None
+    model = load_causal_lm(name, dtype="float32", device="cpu", trust_remote_code=trust_remote_code).model
+    if getattr(model.config, "_attn_implementation", None) != attn_implementation:
+        try:
+            model.set_attn_implementation(attn_implementation)
+        except (ValueError, ImportError) as err:
+            raise CsdError(f"--attn-implementation {attn_implementation} is not available for this student "
+                           f"({str(err).splitlines()[0]}); use sdpa or eager") from None
+    return model
+
+
+def student_tokenizer_source(config) -> str:
+    """The tokenizer of the student: `--student-tokenizer`, else the `--student` model folder."""
+    if config.student_tokenizer:
+        return config.student_tokenizer
+    from csd_pipeline.model_loading import resolve_model_source
+
+    folder, gguf_file = resolve_model_source(config.student, trust_remote_code=config.trust_remote_code)
+    if gguf_file is not None:
+        raise CsdError(f"--student {config.student} is a GGUF file; pass its tokenizer with --student-tokenizer")
+    return str(folder)
 
 
 def shard_student(wrapper, device, param_dtype) -> None:

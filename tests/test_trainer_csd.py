@@ -1,0 +1,88 @@
+"""csd-train with the CSD loss on real teacher top-k (SmolLM2-135M-Instruct) and its data checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from csd_pipeline.errors import CsdError
+from trainer.config import parse_args
+from trainer.loop import train
+
+
+def args(data, teacher, output, *extra):
+    return ["--aligned", str(data["train"]), "--teacher-logits", str(teacher), "--student-config",
+            str(data["student_config"]), "--student-tokenizer", "llama-spm", "--output", str(output), "--steps", "3",
+            "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "0",
+            "--workers", "0", "--no-progress", *extra]
+
+
+def metrics(output) -> list[dict]:
+    return [json.loads(line) for line in open(output / "metrics.jsonl", encoding="utf-8")]
+
+
+@pytest.fixture(scope="module")
+def csd_run(trainer_data, trainer_teacher, tmp_path_factory):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared
+    output = tmp_path_factory.mktemp("csd") / "run"
+    train(parse_args(args(trainer_data, trainer_teacher, output)))
+    yield output
+    torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_csd_steps_match_a_direct_loss_on_the_same_batch(trainer_data, trainer_teacher, csd_run):
+    from csd_pipeline.loss import csd_loss
+    from trainer.data import TrainingData
+    from trainer.model import build_student
+
+    rows = metrics(csd_run)
+    first = rows[0]
+    assert first["kd"] > 0 and first["chunks_1to1"] > 0 and first["chunks_Mto1"] + first["chunks_1toN"] > 0
+    for row in rows:  # L = CE + sg(CE/KD) KD: its value is 2 CE with one micro-step
+        assert row["loss"] == pytest.approx(2 * row["ce"], rel=1e-12)
+    # independent path: the same first batch, the same initial weights, dense logits, no FSDP
+    config = parse_args(args(trainer_data, trainer_teacher, csd_run))
+    data = TrainingData.open(config)
+    loader = data.loader(0, 1, None)
+    batch = next(loader)
+    loader.close()
+    model = build_student(config, data.student_vocab.size)
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
+                       use_cache=False).logits
+    out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
+                   logits=logits.reshape(-1, logits.shape[-1]).double(),
+                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.beta)
+    assert first["ce"] == pytest.approx(float(out.ce), rel=1e-5)
+    assert first["kd"] == pytest.approx(float(out.kd), rel=1e-4)
+    assert first["chunks_1to1"] == batch.shape_counts[0][0]
+
+
+@pytest.mark.slow
+def test_csd_1to1_uses_only_one_to_one_chunks(trainer_data, trainer_teacher, csd_run, tmp_path):
+    output = tmp_path / "run"
+    train(parse_args(args(trainer_data, trainer_teacher, output, "--loss", "csd_1to1", "--steps", "1")))
+    row, reference = metrics(output)[0], metrics(csd_run)[0]
+    assert row["chunks_1to1"] == reference["chunks_1to1"] > 0
+    assert row["chunks_1toN"] == row["chunks_Mto1"] == row["chunks_MtoN"] == 0
+    assert row["ce"] == reference["ce"]  # same data, same weights: only the KD term differs
+
+
+def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, trainer_teacher, tmp_path):
+    forged = tmp_path / "topk"
+    shutil.copytree(trainer_teacher, forged)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest["aligned"]["manifest_sha256"] = "0" * 64
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CsdError, match=r"another aligned directory.*re-run `csd-pipeline teacher-logits"):
+        train(parse_args(args(trainer_data, forged, tmp_path / "run")))
+
+
+def test_kd_teacher_without_its_directory_is_refused(trainer_data, trainer_teacher, tmp_path):
+    with pytest.raises(CsdError, match="--kd-teachers names teacher 1"):
+        train(parse_args(args(trainer_data, trainer_teacher, tmp_path / "run", "--kd-teachers", "0:1,1:0.5")))

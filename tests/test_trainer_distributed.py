@@ -1,0 +1,49 @@
+"""Two gloo ranks on CPU through torchrun: the loss falls, each rank checkpoints its own part.
+
+(Stop-and-resume equality is tested in one process in test_trainer_run.py; the checkpoint code
+path is the same for every world size.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "-m", "trainer.main", *args]
+    # its own session, so that a hang can be stopped with every rank it started
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def test_two_gloo_ranks_learn(trainer_data, tmp_path):
+    output = tmp_path / "run"
+    args = ["--aligned", str(trainer_data["train"]), "--student-config", str(trainer_data["student_config"]),
+            "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "8",
+            "--seq-len", "128", "--batch-size", "1", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "4",
+            "--workers", "1", "--no-progress"]
+    run = torchrun(2, args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in open(output / "metrics.jsonl", encoding="utf-8")]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    first_half = sum(r["ce"] for r in rows[:3]) / 3
+    assert sum(r["ce"] for r in rows[-3:]) / 3 < first_half - 0.1
+    final = output / "checkpoints" / "step-8"
+    assert sorted(p.name for p in (final / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
+    states = [json.loads((final / "ranks" / f"rank-{r:05d}.json").read_text())["loader"] for r in (0, 1)]
+    assert all(s["version"] == 1 for s in states)
+    assert (output / "export" / "model.safetensors").is_file()
