@@ -332,11 +332,6 @@ def _mark_flags_and_prefix(table: ChunkTable, student: SideSpans, teacher: SideS
     status[flagged] = ChunkStatus.UNTRUSTED_TOKEN
 
 
-def identity_table(src: np.ndarray, doc_bytes: np.ndarray, student: SideSpans) -> ChunkTable:
-    """The alignment of a side with itself (a teacher whose tokenizer is the student's)."""
-    return align(src, doc_bytes, student, student)
-
-
 # ---------------------------------------------------------------------------------------------
 # Windows
 

@@ -368,6 +368,11 @@ def test_real_pairs_on_golden_and_corpus_text(tokenizer_path):
         table = aligner_.align_documents(documents, stats)
         check_rows(aligner_, documents, table)
         assert stats["teacher0"]["chunk_status"]["ACCEPTED"] > 500
+        # Batching never changes a row: one batch equals one document at a time.
+        import pyarrow as pa
+
+        alone = pa.concat_tables([aligner_.align_documents([d], aligner_.new_stats()) for d in documents])
+        assert alone.equals(table)
     # Qwen2 normalizes to NFC: decomposed accents cannot be spelled by it and are counted as mismatches,
     # while the rest of the document still aligns.
     aligner_ = aligner("llama-bpe", "qwen2")
