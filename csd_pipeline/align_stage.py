@@ -1,13 +1,11 @@
-"""The align stage (text mode): corpus -> aligned shards (schemas/aligned.py) in DIR.
+"""The align stage: corpus -> aligned shards (schemas/aligned.py) in DIR.
 
-`run_align(config)` loads the tokenizers, builds or copies the sub-token tables into
-`DIR/tables/teacher{i}/`, plans the shards from the corpus (`corpus.plan_shards`) and hands them to
-the shared executor. Each shard is written by `make_shard_processor`: documents are read in order,
-tokenized in batches with `encode_batch_fast` (no offsets: spans come from token bytes; the student
-once, each distinct teacher tokenizer once),
-aligned with `alignment.align` (vectorised over the batch), cut into windows and written as
-Parquet row groups of a fixed number of rows (zstd). Shard bytes depend only on the shard's
-documents and the config.
+`run_align(config)` loads the tokenizers, checks that DIR holds no other run, plans the shards from
+the corpus (`corpus.plan_shards`), builds or copies the sub-token tables into
+`DIR/tables/teacher{i}/` and hands the shards to the shared executor. Each shard is written by
+`make_shard_processor`: documents are read in order, aligned in batches by the mode's aligner
+(`text_align.BatchAligner`, or `chat_align` in chat mode) and written as Parquet row groups of a
+fixed number of rows (zstd). Shard bytes depend only on the shard's documents and the config.
 """
 
 from __future__ import annotations
@@ -16,13 +14,10 @@ import os
 import shutil
 import socket
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 
-import numpy as np
-
 from csd_pipeline.errors import CsdError
-from schemas.aligned import SCHEMA_VERSION, STAGE, ChunkStatus, aligned_schema, teacher_columns
+from schemas.aligned import SCHEMA_VERSION, STAGE, aligned_schema
 
 ROW_GROUP_ROWS = 1024
 COMPRESSION_LEVEL = 3
@@ -328,6 +323,8 @@ def make_shard_processor(config: dict):
 
         aligner = make_chat_aligner(config, student, teachers)
     else:
+        from csd_pipeline.text_align import BatchAligner
+
         aligner = BatchAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
                                config["context_token"])
 
@@ -337,8 +334,12 @@ def make_shard_processor(config: dict):
     return process
 
 
-def write_shard(spec: dict, tmp_path: Path, aligner: BatchAligner, config: dict):
-    """Read the shard's documents, align them in batches and write one Parquet file to `tmp_path`."""
+def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
+    """Read the shard's documents, align them in batches and write one Parquet file to `tmp_path`.
+
+    `aligner` is a `text_align.BatchAligner` or a `chat_align` aligner (`new_stats`, `align_documents`,
+    `teachers`).
+    """
     import pyarrow.parquet as pq
 
     from csd_pipeline.corpus import CorpusFile, ReadOptions, read_segment
@@ -397,224 +398,3 @@ def write_shard(spec: dict, tmp_path: Path, aligner: BatchAligner, config: dict)
 
 def _count(counter: dict, key: str, amount: int = 1) -> None:
     counter[key] = counter.get(key, 0) + amount
-
-
-class BatchAligner:
-    """Tokenizes, aligns and windows a batch of documents into an Arrow table of aligned rows."""
-
-    def __init__(self, student, teachers, max_student: int, max_teachers: list[int], context_token: bool):
-        self.student = student
-        self.teachers = teachers
-        self.max_student = max_student
-        self.max_teachers = list(max_teachers)
-        # One encoding per distinct tokenizer: a teacher identical to the student (or to an earlier
-        # teacher) reuses its token spans.
-        fingerprints = [student.vocab.fingerprint]
-        self.side_of_teacher = []
-        self.bundles = [student]
-        for teacher in teachers:
-            fp = teacher.vocab.fingerprint
-            if fp not in fingerprints:
-                fingerprints.append(fp)
-                self.bundles.append(teacher)
-            self.side_of_teacher.append(fingerprints.index(fp))
-        self.context = [b.vocab.context_token() if context_token else None for b in [student, *teachers]]
-        for bundle in self.bundles:
-            if not getattr(bundle.tokenizer, "encode_special_tokens", False):
-                raise CsdError(f"tokenizer {bundle.source} would parse special tokens from corpus text; "
-                               "load it with csd_pipeline.vocab.load_tokenizer.")
-        self.schema = aligned_schema(len(teachers))
-
-    def new_stats(self) -> dict:
-        """Counters of one shard (summed across shards by the executor)."""
-        stats = {
-            "documents": {"read": 0, "aligned": 0, "with_rejected_regions": 0},
-            "rejected_documents": {},
-            "rejected_regions": {"chunk_longer_than_window": 0},
-            "rejected_region_bytes": 0,
-            "windows": 0,
-            "bytes": {"documents": 0, "windows": 0},
-            "tokens": {"student": 0, **{f"teacher{i}": 0 for i in range(len(self.teachers))}},
-        }
-        for i in range(len(self.teachers)):
-            stats[f"teacher{i}"] = {
-                "chunk_status": {s.name: 0 for s in ChunkStatus},
-                "accepted_shapes": {"1:1": 0, "1:N": 0, "M:1": 0, "M:N": 0},
-            }
-        return stats
-
-    def encode(self, bundle, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Content token ids of `texts` (no special tokens added or parsed): (flat ids, offsets per text)."""
-        # Offsets are not needed (spans come from token bytes), so skip computing them where possible.
-        encode = getattr(bundle.tokenizer, "encode_batch_fast", bundle.tokenizer.encode_batch)
-        encodings = encode(texts, add_special_tokens=False)
-        id_lists = [e.ids for e in encodings]
-        counts = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-        offsets = np.zeros(len(id_lists) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        ids = np.fromiter(chain.from_iterable(id_lists), dtype=np.int32, count=int(offsets[-1]))
-        return ids, offsets
-
-    def align_documents(self, documents: list, stats: dict):
-        """Align a batch of non-empty documents; return their windows as an Arrow table (schema v1)."""
-        from csd_pipeline.alignment import align, cut_windows, token_spans
-
-        texts = [d.text for d in documents]
-        encoded = [t.encode("utf-8") for t in texts]
-        doc_bytes = np.zeros(len(texts) + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=doc_bytes[1:])
-        src = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        spans = []
-        for bundle in self.bundles:
-            ids, offsets = self.encode(bundle, texts)
-            side = token_spans(bundle.vocab, ids, offsets, src, doc_bytes)
-            inexact = np.flatnonzero(~side.exact).tolist()
-            if inexact:
-                # A normalizer changed these texts: take their ends from character offsets.
-                for d, encoded_text in zip(inexact, bundle.encode_spans([texts[d] for d in inexact])):
-                    side.set_ends(d, encoded_text.ends, doc_bytes)
-            spans.append(side)
-        student = spans[0]
-        tables = [align(src, doc_bytes, student, spans[s]) for s in self.side_of_teacher]
-        context = [c is not None for c in self.context]
-        windows = cut_windows(src, doc_bytes, tables, self.max_student, self.max_teachers, context)
-        self._count(stats, documents, doc_bytes, windows, tables)
-        return self._rows(documents, src, doc_bytes, student, [spans[s] for s in self.side_of_teacher], tables, windows, stats)
-
-    def _count(self, stats, documents, doc_bytes, windows, tables) -> None:
-        aligned_docs = np.unique(windows.doc)
-        stats["documents"]["aligned"] += int(aligned_docs.size)
-        stats["documents"]["with_rejected_regions"] += int(len(windows.rejected_docs))
-        unaligned = len(documents) - int(aligned_docs.size)
-        if unaligned:
-            _count(stats["rejected_documents"], "chunk_longer_than_window", unaligned)
-        stats["rejected_regions"]["chunk_longer_than_window"] += windows.rejected_regions
-        stats["rejected_region_bytes"] += windows.rejected_bytes
-        stats["windows"] += len(windows.doc)
-        stats["bytes"]["documents"] += int(doc_bytes[-1])
-        stats["bytes"]["windows"] += int((windows.byte_range[:, 1] - windows.byte_range[:, 0]).sum())
-        stats["tokens"]["student"] += int((windows.student_range[:, 1] - windows.student_range[:, 0]).sum())
-        for i, _table in enumerate(tables):
-            ranges = windows.teacher_ranges[i]
-            stats["tokens"][f"teacher{i}"] += int((ranges[:, 1] - ranges[:, 0]).sum())
-
-    def _rows(self, documents, src, doc_bytes, student, teacher_spans, tables, windows, stats):
-        from csd_pipeline.alignment import ragged_arange
-
-        lo, hi = windows.byte_range[:, 0], windows.byte_range[:, 1]
-        docs = windows.doc.tolist()
-        text = _string_array(src[ragged_arange(lo, hi - lo)], hi - lo)
-        offsets, student_ids, content = _with_head(student.ids, windows.student_range, self.context[0])
-        columns = {
-            "row_id": _strings([f"{documents[d].source}:{documents[d].record_index}:{w}"
-                                for d, w in zip(docs, windows.window_index.tolist())]),
-            "text": text,
-            "student_ids": _list_array(offsets, _array(student_ids, "int32")),
-            "student_loss_mask": _list_array(offsets, _bool_array(content)),
-        }
-        for i, (side, table) in enumerate(zip(teacher_spans, tables)):
-            ctx_s, ctx_t = self.context[0], self.context[1 + i]
-            ids_col, len_s_col, len_t_col, status_col = teacher_columns(i)
-            t_offsets, t_ids, _ = _with_head(side.ids, windows.teacher_ranges[i], ctx_t)
-            columns[ids_col] = _list_array(t_offsets, _array(t_ids, "int32"))
-            chunks = windows.chunk_ranges[i]
-            head = ctx_s is not None or ctx_t is not None
-            first_status = None if ctx_s is not None and ctx_t is not None else ChunkStatus.NO_PREDICTOR
-            c_offsets, s_len, _ = _with_head(table.student_len, chunks, int(ctx_s is not None) if head else None)
-            _, t_len, _ = _with_head(table.teacher_len, chunks, int(ctx_t is not None) if head else None)
-            _, status, _ = _with_head(table.status, chunks, int(ChunkStatus.SPECIAL) if head else None,
-                                      first_content=first_status)
-            columns[len_s_col] = _list_array(c_offsets, _array(s_len, "int32"))
-            columns[len_t_col] = _list_array(c_offsets, _array(t_len, "int32"))
-            columns[status_col] = _list_array(c_offsets, _array(status, "uint8"))
-            _count_chunks(stats[f"teacher{i}"], s_len, t_len, status)
-        columns["source"] = _strings([documents[d].source for d in docs])
-        columns["record_index"] = _array(np.fromiter((documents[d].record_index for d in docs), np.int64, len(docs)), "int64")
-        columns["window_index"] = _array(windows.window_index, "int32")
-        columns["byte_start"] = _array(lo - doc_bytes[windows.doc], "int64")
-        import pyarrow as pa
-
-        return pa.Table.from_arrays([columns[name] for name in self.schema.names], schema=self.schema)
-
-
-def _count_chunks(counter: dict, s_len: np.ndarray, t_len: np.ndarray, status: np.ndarray) -> None:
-    counts = np.bincount(status, minlength=len(ChunkStatus))
-    for s in ChunkStatus:
-        counter["chunk_status"][s.name] += int(counts[s])
-    accepted = status == ChunkStatus.ACCEPTED
-    key = (s_len[accepted] > 1).astype(np.int64) * 2 + (t_len[accepted] > 1)
-    shapes = np.bincount(key, minlength=4)
-    for k, name in enumerate(("1:1", "1:N", "M:1", "M:N")):
-        counter["accepted_shapes"][name] += int(shapes[k])
-
-
-def _with_head(values: np.ndarray, ranges: np.ndarray, head, *, first_content=None):
-    """Rows `values[r0:r1]`, each prefixed by `head` (None: no prefix), as flat values with offsets.
-
-    `first_content`: when given, replaces each row's first content value if it is ACCEPTED (used for
-    NO_PREDICTOR). Returns (int32 offsets [W+1], flat values, bool mask of content positions).
-    """
-    from csd_pipeline.alignment import ragged_arange
-
-    r0, r1 = ranges[:, 0], ranges[:, 1]
-    extra = 0 if head is None else 1
-    offsets = np.zeros(len(r0) + 1, dtype=np.int64)
-    np.cumsum(r1 - r0 + extra, out=offsets[1:])
-    if offsets[-1] >= 1 << 31:
-        raise CsdError("a batch of windows holds 2**31 tokens; lower --batch-mb.")
-    heads = offsets[:-1]
-    if extra and len(values):
-        out = values.take(ragged_arange(r0 - 1, r1 - r0 + 1))  # a head slot takes values[r0 - 1], then is overwritten
-        out[heads] = head
-    elif extra:
-        out = np.full(len(r0), head, dtype=values.dtype)
-    else:
-        out = values.take(ragged_arange(r0, r1 - r0))
-    content = np.ones(len(out), dtype=bool)
-    content[heads] = not extra
-    if first_content is not None:
-        firsts = (heads + extra)[r1 > r0]
-        firsts = firsts[out[firsts] == ChunkStatus.ACCEPTED]
-        out[firsts] = first_content
-    return offsets.astype(np.int32), out, content
-
-
-# Arrow arrays are built from buffers: no per-value Python objects (and pyarrow's conversion of
-# Python lists or numpy arrays would import pandas, a second of start-up in every worker).
-
-
-def _array(values: np.ndarray, type_name: str):
-    import pyarrow as pa
-
-    values = np.ascontiguousarray(values, dtype=np.dtype(type_name))
-    return pa.Array.from_buffers(getattr(pa, type_name)(), len(values), [None, pa.py_buffer(values)])
-
-
-def _bool_array(mask: np.ndarray):
-    import pyarrow as pa
-
-    return pa.Array.from_buffers(pa.bool_(), len(mask), [None, pa.py_buffer(np.packbits(mask, bitorder="little"))])
-
-
-def _list_array(offsets: np.ndarray, child):
-    import pyarrow as pa
-
-    from schemas.aligned import list_of
-
-    return pa.Array.from_buffers(list_of(child.type), len(offsets) - 1, [None, pa.py_buffer(offsets)], children=[child])
-
-
-def _string_array(data: np.ndarray, lengths: np.ndarray):
-    import pyarrow as pa
-
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] >= 1 << 31:
-        raise CsdError("a batch of windows holds 2 GiB of text; lower --batch-mb.")
-    return pa.StringArray.from_buffers(len(lengths), pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data))
-
-
-def _strings(values: list[str]):
-    encoded = [v.encode("utf-8") for v in values]
-    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-    return _string_array(np.frombuffer(b"".join(encoded), dtype=np.uint8), lengths)

@@ -270,8 +270,8 @@ def awkward_texts():
 
 @cache
 def aligner(student: str, teacher: str, max_tokens: int = 4096):
-    from csd_pipeline.align_stage import BatchAligner
     from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.text_align import BatchAligner
     from csd_pipeline.vocab import load_tokenizer
 
     s = load_tokenizer(str(tokenizer_path(student)))
