@@ -43,7 +43,7 @@ tables: fixtures
 	$(VENV)/bin/csd-pipeline tables validate --student-tokenizer $(STUDENT) --teacher-tokenizer $(TEACHER) --student-to-teacher $(TABLES_DIR)/student_to_teacher.safetensors --teacher-to-student $(TABLES_DIR)/teacher_to_student.safetensors
 
 demo: fixtures
-	$(PY) -m csd_pipeline.demo
+	$(PY) demo/run.py
 
 bench: fixtures
 	$(PY) bench/run_all.py

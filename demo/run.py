@@ -1,0 +1,143 @@
+"""`make demo`: the four stages on the embedded default, as a user runs them, then a report.
+
+Teacher: SmolLM2-135M-Instruct (ByteLevel BPE, 49,152 ids). Student: a small Llama from scratch
+with the Llama 2 SentencePiece tokenizer (byte fallback, 32,000 ids). Corpus: The Devil's
+Dictionary (public domain, `demo/corpus`), every tenth document held out. Two students are trained
+identically, one with CSD and one with cross-entropy only, and scored in held-out bits per byte
+next to the teacher. Every command is printed before it runs so it can be copied.
+
+    python demo/run.py [--out out/demo] [--steps N] [--fresh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+TEACHER = "smollm2-135m-instruct"
+TEACHER_TOKENIZER = "smollm2"
+STUDENT_TOKENIZER = "llama-spm"
+WINDOW = 256
+
+# The CSD arm's setting, chosen from `make bench-quality` (see README, "What CSD buys").
+CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "5"]
+TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
+              "--seed", "0", "--save-every", "0", "--workers", "1"]
+
+
+def sh(cmd: list[str], *, capture: bool = False) -> str:
+    """Print a command the way a user would type it, run it, stop the demo if it fails."""
+    shown = " ".join(shlex.quote(str(c)) for c in cmd).replace(str(BIN) + "/", "").replace(str(ROOT) + "/", "")
+    print(f"\n$ {shown}", flush=True)
+    started = time.perf_counter()
+    result = subprocess.run([str(c) for c in cmd], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE if capture else None)
+    if result.returncode != 0:
+        print(f"demo: the command above failed (exit {result.returncode})", file=sys.stderr)
+        sys.exit(result.returncode)
+    print(f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+    return result.stdout if capture else ""
+
+
+def tool(name: str) -> str:
+    return str(BIN / name)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/demo", help="output folder (default: out/demo)")
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps of each student")
+    parser.add_argument("--fresh", action="store_true", help="delete the output folder first")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    pipeline, train_cmds = tool("csd-pipeline"), tool("csd-train")
+
+    print("== 1. tables: byte-exact sub-token tables, both directions, then validate")
+    tables = out / "tables"
+    s2t, t2s = tables / "student_to_teacher.safetensors", tables / "teacher_to_student.safetensors"
+    sh([pipeline, "tables", "build", "--source-tokenizer", STUDENT_TOKENIZER,
+        "--destination-tokenizer", TEACHER_TOKENIZER, "--output", s2t])
+    sh([pipeline, "tables", "build", "--source-tokenizer", TEACHER_TOKENIZER,
+        "--destination-tokenizer", STUDENT_TOKENIZER, "--output", t2s])
+    sh([pipeline, "tables", "validate", "--student-tokenizer", STUDENT_TOKENIZER, "--teacher-tokenizer",
+        TEACHER_TOKENIZER, "--student-to-teacher", s2t, "--teacher-to-student", t2s])
+    table_counts = json.loads(sh([pipeline, "tables", "inspect", s2t, "--json"], capture=True))
+
+    print("\n== 2. align: training and held-out documents, windows of at most 256 student tokens")
+    aligned, heldout = out / "aligned", out / "heldout"
+    for corpus, target in (("demo/corpus/devil-train.jsonl", aligned), ("demo/corpus/devil-heldout.jsonl", heldout)):
+        sh([pipeline, "align", "--corpus", corpus, "--student-tokenizer", STUDENT_TOKENIZER,
+            "--teacher-tokenizer", TEACHER_TOKENIZER, "--tables", s2t, t2s, "--output", target,
+            "--max-student-tokens", str(WINDOW), "--max-teacher-tokens", str(WINDOW)])
+    align_info = json.loads(sh([pipeline, "inspect", aligned, "--json"], capture=True))
+
+    print("\n== 3. teacher-logits: the teacher runs once, its top-32 are stored")
+    teacher_dir = out / "teacher"
+    sh([pipeline, "teacher-logits", "--aligned", aligned, "--teacher", TEACHER, "--top-k", "32",
+        "--output", teacher_dir])
+    teacher_info = json.loads(sh([pipeline, "inspect", teacher_dir, "--json"], capture=True))
+
+    print("\n== 4. train: a CSD student and a CE-only twin, identical but for the loss")
+    config = "demo/student-config.json"
+    arms = {"csd": CSD_ARGS, "ce": ["--loss", "ce"]}
+    for arm, loss_args in arms.items():
+        sh([train_cmds, "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
+            "--student-tokenizer", STUDENT_TOKENIZER, "--output", out / f"student-{arm}",
+            "--steps", str(args.steps), "--eval-aligned", heldout, "--eval-every", str(max(args.steps // 5, 1)),
+            *TRAIN_ARGS, *loss_args])
+
+    print("\n== 5. held-out bits per byte (same bytes for every model)")
+    scores = {}
+    for name, model, side in (("teacher (SmolLM2-135M-Instruct)", TEACHER, "teacher0"),
+                              ("student, CSD", out / "student-csd" / "export", "student"),
+                              ("student, CE only", out / "student-ce" / "export", "student")):
+        result = json.loads(sh([pipeline, "bits-per-byte", "--aligned", heldout, "--model", model, "--side", side,
+                                "--seq-len", str(WINDOW), "--json"], capture=True))
+        scores[name] = result["bits_per_byte"]
+
+    from demo.report import write_report
+
+    summary = {"scores_bits_per_byte": scores, "align": align_info, "teacher": teacher_info, "tables": table_counts,
+               "steps": args.steps, "csd_args": CSD_ARGS, "seconds": time.perf_counter() - started}
+    report = write_report(out, summary)
+    print_summary(summary, report)
+    return 0
+
+
+def print_summary(summary: dict, report: Path) -> None:
+    scores = summary["scores_bits_per_byte"]
+    ce = scores["student, CE only"]
+    print("\n== held-out bits per byte (lower is better)")
+    for name, value in scores.items():
+        delta = f"  ({(value - ce) / ce:+.1%} vs CE only)" if name == "student, CSD" else ""
+        print(f"  {name:<34} {value:.4f}{delta}")
+    shapes = chunk_shapes(summary["align"])
+    total = sum(shapes.values()) or 1
+    print("\n== accepted chunks by shape")
+    for shape, n in shapes.items():
+        print(f"  {shape:<5} {n:>7}  {n / total:6.1%}")
+    print(f"\nreport: {report}   ({summary['seconds'] / 60:.1f} min in all)")
+
+
+def chunk_shapes(align_info: dict) -> dict:
+    shapes = align_info.get("chunk_shapes", {})
+    return dict(shapes.get("teacher0", shapes))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main(sys.argv[1:]))
