@@ -1,0 +1,170 @@
+"""`make bench-quality`: what CSD buys, in held-out bits per byte, at equal steps, data and seed.
+
+Teacher SmolLM2-135M-Instruct (real), student a 4-layer 128-wide Llama from scratch with the
+Llama 2 SentencePiece tokenizer. Two regimes:
+
+- data-limited: `demo/corpus` (~32k student training tokens), ~9 epochs;
+- data-rich: `bench/corpus/rich-*` (~165k student training tokens), ~2 epochs.
+
+Arms: ce, csd_1to1 (JSD and forward KL), csd (JSD, beta 5), csd beta 1, csd forward KL, csd with
+the teacher's top-8 instead of top-32 (JSD and forward KL), and ce plus the best arm again with a
+second seed to show seed noise. Writes bench-results/quality.json and quality.png.
+
+    python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--out out/bench-quality]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+WINDOW = 256
+REGIMES = {
+    "data-limited": {"train": "demo/corpus/devil-train.jsonl", "heldout": "demo/corpus/devil-heldout.jsonl", "steps": 150},
+    "data-rich": {"train": "bench/corpus/rich-train.jsonl", "heldout": "bench/corpus/rich-heldout.jsonl", "steps": 170},
+}
+ARMS = {
+    "ce": ["--loss", "ce"],
+    "csd_1to1 jsd": ["--loss", "csd_1to1", "--divergence", "jsd"],
+    "csd jsd b5": ["--loss", "csd", "--divergence", "jsd", "--beta", "5"],
+    "csd jsd b1": ["--loss", "csd", "--divergence", "jsd", "--beta", "1"],
+    "csd_1to1 kl": ["--loss", "csd_1to1", "--divergence", "kl"],
+    "csd kl b5": ["--loss", "csd", "--divergence", "kl", "--beta", "5"],
+    "csd jsd b5 top8": ["--loss", "csd", "--divergence", "jsd", "--beta", "5"],
+    "csd kl b5 top8": ["--loss", "csd", "--divergence", "kl", "--beta", "5"],
+}
+TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
+              "--save-every", "0", "--workers", "1", "progress=false"]
+
+
+def run(cmd: list, log: Path) -> None:
+    with log.open("a") as handle:
+        handle.write("$ " + " ".join(map(str, cmd)) + "\n")
+        handle.flush()
+        result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
+
+
+def prepare(regime: str, out: Path, log: Path) -> dict:
+    """Align train + held-out, and store the teacher's top-32 and top-8 (each computed once)."""
+    spec = REGIMES[regime]
+    pipeline = BIN / "csd-pipeline"
+    dirs = {name: out / regime / name for name in ("aligned", "heldout", "teacher32", "teacher8")}
+    for name, corpus in (("aligned", spec["train"]), ("heldout", spec["heldout"])):
+        run([pipeline, "align", "--corpus", corpus, "--student-tokenizer", "llama-spm", "--teacher-tokenizer", "smollm2",
+             "--output", dirs[name], "--max-student-tokens", WINDOW, "--max-teacher-tokens", WINDOW, "--quiet"], log)
+    for k in (32, 8):
+        run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct",
+             "--top-k", k, "--output", dirs[f"teacher{k}"], "--quiet"], log)
+    return dirs
+
+
+def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path) -> dict:
+    teacher = dirs["teacher8"] if arm.endswith("top8") else dirs["teacher32"]
+    target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
+    started = time.perf_counter()
+    run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", teacher,
+         "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,
+         "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"], *TRAIN_ARGS, *ARMS[arm]], log)
+    evals = [json.loads(line) for line in (target / "eval.jsonl").read_text().splitlines() if line.strip()]
+    final = [e for e in evals if e.get("step") == steps] or evals
+    metrics = [json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tail = metrics[-10:]
+    record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
+              "seconds": time.perf_counter() - started}
+    for key in ("teacher_event_mass", "student_rest_mass", "events_per_chunk", "ce", "kd", "grad_norm"):
+        values = [float(m[key]) for m in tail if m.get(key) is not None]
+        if values:
+            record[f"last10_{key}"] = sum(values) / len(values)
+    return record
+
+
+def teacher_score(dirs: dict, log: Path) -> float:
+    out = subprocess.run([str(BIN / "csd-pipeline"), "bits-per-byte", "--aligned", str(dirs["heldout"]), "--model",
+                          "smollm2-135m-instruct", "--side", "teacher0", "--seq-len", str(WINDOW), "--json"],
+                         cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout)["bits_per_byte"]
+
+
+def plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    regimes = sorted({r["regime"] for r in results})
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.5), squeeze=False)
+    for ax, regime in zip(axes[0], regimes):
+        rows = [r for r in results if r["regime"] == regime]
+        labels = [f"{r['arm']} s{r['seed']}" for r in rows]
+        ax.barh(labels, [r["bits_per_byte"] for r in rows], color=["#999999" if r["arm"] == "ce" else "#4477aa" for r in rows])
+        ce = [r["bits_per_byte"] for r in rows if r["arm"] == "ce" and r["seed"] == 0]
+        if ce:
+            ax.axvline(ce[0], color="black", lw=0.8, ls="--")
+        lo = min(r["bits_per_byte"] for r in rows)
+        ax.set_xlim(lo * 0.95, max(r["bits_per_byte"] for r in rows) * 1.02)
+        ax.set(title=f"{regime}: held-out bits/byte (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/bench-quality")
+    parser.add_argument("--regime", action="append", choices=sorted(REGIMES))
+    parser.add_argument("--arms", help="comma-separated subset of the arms")
+    parser.add_argument("--quick", action="store_true", help="20 steps per arm (a smoke run, not a measurement)")
+    args = parser.parse_args(argv)
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "commands.log"
+    results_dir = ROOT / "bench-results"
+    results_dir.mkdir(exist_ok=True)
+    arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(ARMS)
+    results, teachers = [], {}
+    for regime in args.regime or list(REGIMES):
+        steps = 20 if args.quick else REGIMES[regime]["steps"]
+        print(f"[quality] {regime}: aligning and computing teacher top-k ...", flush=True)
+        dirs = prepare(regime, out, log)
+        teachers[regime] = teacher_score(dirs, log)
+        rows = []
+        for arm in arms:
+            record = train_arm(regime, arm, 0, dirs, out, steps, log)
+            rows.append(record)
+            print(f"[quality] {regime:<13} {arm:<18} seed 0: {record['bits_per_byte']:.4f} bits/byte "
+                  f"({record['seconds']:.0f} s)", flush=True)
+        best = min((r for r in rows if r["arm"] != "ce"), key=lambda r: r["bits_per_byte"])
+        for arm in ("ce", best["arm"]):
+            record = train_arm(regime, arm, 1, dirs, out, steps, log)
+            rows.append(record)
+            print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte", flush=True)
+        results.extend(rows)
+        summary = {"results": results, "teacher_bits_per_byte": teachers}
+        (results_dir / "quality.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    plot(results, results_dir / "quality.png")
+    print(f"\n{'regime':<13} {'arm':<18} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
+    for regime in sorted({r['regime'] for r in results}):
+        ce = next(r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0)
+        print(f"{regime:<13} {'teacher':<18} {'':>4} {teachers[regime]:>10.4f}")
+        for r in (r for r in results if r["regime"] == regime):
+            print(f"{regime:<13} {r['arm']:<18} {r['seed']:>4} {r['bits_per_byte']:>10.4f} "
+                  f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}")
+    print(f"\nwrote {results_dir / 'quality.json'} and {results_dir / 'quality.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main(sys.argv[1:]))
