@@ -118,3 +118,98 @@ def test_student_tokenizer_mismatch_names_the_stage(trainer_data, tmp_path):
     args[args.index("llama-spm")] = "gpt-2"
     with pytest.raises(CsdError, match="student tokenizer.*re-run csd-pipeline align"):
         train(parse_args(args))
+
+
+def test_gradient_accumulation_matches_the_larger_batch(trainer_data, tmp_path, one_thread):
+    # greedy packing puts the same windows in two 1-row micro-batches as in one 2-row batch, and the
+    # loss is divided by the global CE-token count of the whole step: the steps must agree
+    train(parse_args(base_args(trainer_data, tmp_path / "a", "steps=3", "save_every=0")))
+    train(parse_args(base_args(trainer_data, tmp_path / "b", "steps=3", "save_every=0", "batch_size=1",
+                               "grad_accum=2")))
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["ce_tokens"] for r in a] == [r["ce_tokens"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=2e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3)
+
+
+def test_nonfinite_loss_is_skipped_by_every_rank_and_counted(trainer_data, tmp_path, monkeypatch, one_thread):
+    from trainer.model import StudentWithLoss
+
+    real_forward, calls = StudentWithLoss.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            out["ce"] = out["ce"] * float("nan")
+        return out
+
+    monkeypatch.setattr(StudentWithLoss, "forward", poisoned)
+    output = tmp_path / "run"
+    train(parse_args(base_args(trainer_data, output, "steps=3", "save_every=0")))
+    rows = metrics(output)
+    assert [r["skipped"] for r in rows] == [False, True, False]
+    assert [r["nonfinite_skipped"] for r in rows] == [0, 1, 1]
+    assert rows[1]["loss"] == "nan" and rows[2]["ce"] < 20
+
+
+def test_student_from_an_hf_directory_and_vocab_check(trainer_data, reference_run, tmp_path, one_thread):
+    args = base_args(trainer_data, tmp_path / "run", "steps=1", "save_every=0")
+    at = args.index("--student-config")
+    args[at:at + 2] = ["--student", str(reference_run / "export")]
+    args.remove("--student-tokenizer")
+    args.remove("llama-spm")  # the tokenizer comes from the model folder
+    train(parse_args(args))
+    assert metrics(tmp_path / "run")[0]["ce"] < metrics(reference_run)[0]["ce"] - 0.1  # it starts trained
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(dict(json.loads(trainer_data["student_config"].read_text()), vocab_size=1000)))
+    args = base_args(trainer_data, tmp_path / "run2")
+    args[args.index(str(trainer_data["student_config"]))] = str(small)
+    with pytest.raises(CsdError, match=r"vocab_size 1000 .* 32000 ids"):
+        train(parse_args(args))
+
+
+def test_bits_per_byte_matches_a_brute_force_count(trainer_data, reference_run):
+    import math
+
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    from trainer.evaluation import bits_per_byte
+
+    model = AutoModelForCausalLM.from_pretrained(reference_run / "export", dtype=torch.float32).eval()
+    got = bits_per_byte(model, trainer_data["eval"], seq_len=128, batch_size=2, chunk_size=50)
+    nats, n_bytes = 0.0, 0
+    manifest = json.loads((trainer_data["eval"] / "manifest.json").read_text())
+    with torch.no_grad():
+        for shard in manifest["shards"]:
+            table = pq.read_table(trainer_data["eval"] / shard["file"]).to_pylist()
+            for row in table:
+                ids = torch.tensor([row["student_ids"]])
+                logp = torch.log_softmax(model(ids).logits[0].double(), dim=-1)
+                targets = [j for j in range(1, ids.shape[1]) if row["student_loss_mask"][j]]
+                nats -= sum(float(logp[j - 1, ids[0, j]]) for j in targets)
+                n_bytes += len(row["text"].encode("utf-8"))
+    assert got["bytes"] == n_bytes
+    assert got["bits_per_byte"] == pytest.approx(nats / n_bytes / math.log(2), rel=1e-5)
+    # the trainer's sharded evaluation at the last step scored the same weights
+    logged = [json.loads(line) for line in open(reference_run / "eval.jsonl", encoding="utf-8")][-1]
+    assert logged["bits_per_byte"] == pytest.approx(got["bits_per_byte"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_teacher_bits_per_byte_reads_the_teachers_own_ids(trainer_data, reference_run):
+    from transformers import AutoModelForCausalLM
+
+    from csd_pipeline.fixtures import model_path
+    from csd_pipeline.vocab import load_tokenizer
+    from trainer.evaluation import bits_per_byte
+
+    teacher = AutoModelForCausalLM.from_pretrained(model_path("smollm2-135m-instruct"), dtype=torch.float32).eval()
+    fingerprint = load_tokenizer("smollm2").vocab.fingerprint
+    scored = bits_per_byte(teacher, trainer_data["eval"], side=0, seq_len=128, batch_size=2, max_rows=6,
+                           fingerprint=fingerprint)
+    assert scored["rows"] == 6 and 0.3 < scored["bits_per_byte"] < 2.5  # a real LM on English text
+    with pytest.raises(CsdError, match="teacher tokenizer 0"):
+        bits_per_byte(teacher, trainer_data["eval"], side=0, max_rows=1, fingerprint="0" * 64)

@@ -83,18 +83,27 @@ def train(config: TrainConfig) -> dict:
         distributed.teardown()
 
 
-def _train(config: TrainConfig, ctx) -> dict:
+def build_components(config: TrainConfig, ctx):
+    """The checked data, the sharded student wrapper, the optimizer and the schedule of a run."""
     from trainer.data import TrainingData
-    from trainer.model import StudentWithLoss, build_student, export_hf, shard_student
+    from trainer.model import StudentWithLoss, build_student, shard_student
 
-    torch.manual_seed(config.seed)
-    _prepare_output(config, ctx)
     data = TrainingData.open(config)
     model = build_student(config, data.student_vocab.size)
     wrapper = StudentWithLoss(model)
     shard_student(wrapper, ctx.device, _param_dtype(config, ctx.device))
     optimizer, scheduler = build_optimizer(wrapper, config)
+    return data, wrapper, optimizer, scheduler
 
+
+def _train(config: TrainConfig, ctx) -> dict:
+    from trainer.model import export_hf
+
+    torch.manual_seed(config.seed)
+    _prepare_output(config, ctx)
+    data, wrapper, optimizer, scheduler = build_components(config, ctx)
+
+    torch.manual_seed(config.seed + 1000003 * ctx.rank)  # per-rank stream after the shared initialisation
     step, counters, loader_state = 0, {"nonfinite_skipped": 0, "tokens_seen": 0}, None
     if config.resume:
         checkpoint.clean_partial(config.output, ctx)
@@ -103,7 +112,6 @@ def _train(config: TrainConfig, ctx) -> dict:
             step, loader_state = resumed.step, resumed.loader_state
             scheduler.load_state_dict(resumed.trainer["scheduler"])
             counters.update(resumed.trainer.get("counters", {}))
-    torch.manual_seed(config.seed + 1000003 * ctx.rank + step)  # per rank, per resume point
 
     loader = data.loader(ctx.rank, ctx.world, loader_state)
     metrics = MetricsLogger(config.output, ctx.is_main, config.steps, step, config.progress and ctx.is_main)
@@ -123,7 +131,7 @@ def _train(config: TrainConfig, ctx) -> dict:
             state_after = micro[-1].state
             record = train_step(wrapper, optimizer, scheduler, micro, weights, config, ctx)
             counters["tokens_seen"] += record["tokens"]
-            counters["nonfinite_skipped"] += int(record.pop("skipped"))
+            counters["nonfinite_skipped"] += int(record["skipped"])
             elapsed = time.perf_counter() - t0
             record.update(step=step, tokens_per_s=record["tokens"] / elapsed, step_time_s=elapsed,
                           data_wait_s=data_wait, elapsed_s=time.perf_counter() - start_time,
