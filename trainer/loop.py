@@ -23,6 +23,8 @@ from trainer.config import TrainConfig, check_resume_compatible, write_resolved
 from trainer.metrics import MetricsLogger
 
 SHAPE_KEYS = ("1to1", "1toN", "Mto1", "MtoN")
+# per-teacher diagnostics of csd_pipeline.loss (means over the ranks and micro-steps that had chunks)
+LOSS_DIAGNOSTICS = ("events_per_chunk", "teacher_event_mass", "student_rest_mass", "divergence_per_chunk")
 RESOLVED_CONFIG = "config.yaml"
 EXPORT_DIR = "export"
 
@@ -203,6 +205,8 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
 
     ce_total = kd_total = loss_total = 0.0
     teacher_kd = [0.0] * n_teachers
+    diagnostics = [0.0] * (n_teachers * (len(LOSS_DIAGNOSTICS) + 1))  # sums, then how many contributed
+    scales = []
     for batch in micro:
         inputs = _to_device(batch, ctx.device)
         out = wrapper(**inputs, global_ce_tokens=ce_tokens, global_chunk_counts=chunk_counts,
@@ -210,7 +214,9 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
                       chunk_size=config.loss_chunk_size)
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
-        ce_m, kd_m, *kd_teachers = distributed.all_reduce_sum(pieces, ctx.device)
+        pieces += _diagnostics(out["metrics"], n_teachers)
+        ce_m, kd_m, *rest = distributed.all_reduce_sum(pieces, ctx.device)
+        kd_teachers, diag_m = rest[:n_teachers], rest[n_teachers:]
         # sg(CE/KD) from this micro-step's all-rank values; L = CE when KD is 0.
         scale = ce_m / kd_m if kd_m != 0 and math.isfinite(kd_m) else 0.0
         loss = out["ce"] + scale * out["kd"] if scale else out["ce"]
@@ -218,7 +224,9 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         ce_total += ce_m
         kd_total += kd_m
         loss_total += ce_m + scale * kd_m
+        scales.append(scale)
         teacher_kd = [a + b for a, b in zip(teacher_kd, kd_teachers, strict=True)]
+        diagnostics = [a + b for a, b in zip(diagnostics, diag_m, strict=True)]
 
     grad_norm = _clip_grad_norm(wrapper, config.grad_clip)
     nonfinite = distributed.agree_any(not (math.isfinite(loss_total) and math.isfinite(grad_norm)), ctx.device)
@@ -234,11 +242,27 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
               "skipped": bool(nonfinite)}
     for s, key in enumerate(SHAPE_KEYS):
         record[f"chunks_{key}"] = int(sum(c[s] for c in shape_counts))
-    if n_teachers > 1:
-        for t in range(n_teachers):
+    record["kd_scale"] = sum(scales) / len(scales)
+    width = len(LOSS_DIAGNOSTICS) + 1
+    for t in range(n_teachers):
+        prefix = f"teacher{t}_" if n_teachers > 1 else ""
+        if n_teachers > 1:
             record[f"teacher{t}_kd"] = teacher_kd[t]
             record[f"teacher{t}_chunks"] = int(chunk_counts[t])
+        sums, count = diagnostics[t * width:t * width + width - 1], diagnostics[t * width + width - 1]
+        if count:
+            record.update({prefix + key: value / count for key, value in zip(LOSS_DIAGNOSTICS, sums, strict=True)})
     return record
+
+
+def _diagnostics(metrics: dict, n_teachers: int) -> list[float]:
+    """Per teacher: the loss diagnostics of this rank's micro-batch and 1 (or zeros when it had no chunks)."""
+    values = []
+    for t in range(n_teachers):
+        present = all(f"teacher{t}/{key}" in metrics for key in LOSS_DIAGNOSTICS)
+        values += [float(metrics[f"teacher{t}/{key}"]) if present else 0.0 for key in LOSS_DIAGNOSTICS]
+        values.append(1.0 if present else 0.0)
+    return values
 
 
 def _clip_grad_norm(wrapper, max_norm: float) -> float:
