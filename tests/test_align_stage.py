@@ -165,6 +165,13 @@ def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, 
     finally:
         del os.environ["RANK"], os.environ["WORLD_SIZE"]
     (out / "manifest.json").unlink()
+    missing = subprocess.run([sys.executable, "-m", "cli.main", "status", str(out), "--json"], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert json.loads(missing.stdout)["complete"] is False and json.loads(missing.stdout)["missing"] == []
+    done = subprocess.run([sys.executable, "-m", "cli.main", "status", str(out), "--finalize"], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert done.returncode == 0 and "complete (manifest written)" in done.stdout
+    (out / "manifest.json").unlink()
     assert finalize(out, log=lambda m: None) is not None
     single = read_manifest(one_worker_run)["shards"]
     split = read_manifest(out)["shards"]
