@@ -149,6 +149,12 @@ class EventContext:
                 self.teacher_spelling[i] = spelling
         self._common_dense = None
         self._prefix_cache: dict[tuple[str, bytes], list] = {}
+        self._student_special = s2t.source.is_special & ~s2t.source.untrusted
+        self._teacher_special = s2t.destination.is_special & ~s2t.destination.untrusted
+
+    def is_special_pair(self, u: int, v: int) -> bool:
+        """Whether (student u, teacher v) are both special tokens (no bytes): chat mode's end-of-turn pair."""
+        return bool(self._student_special[u] and self._teacher_special[v])
 
     def common_dense(self):
         """Common spellings of the student->teacher table as flat arrays (dense teachers only)."""
@@ -283,7 +289,7 @@ def build_row_events(
     builder = _RowBuilder(context, spelling, where)
     s_starts = np.concatenate([[0], np.cumsum(m_len)[:-1]]) if m_len.size else m_len
     t_starts = np.concatenate([[0], np.cumsum(n_len)[:-1]]) if n_len.size else n_len
-    stats = {"chunks_not_accepted": 0, "chunks_no_predictor": 0, "chunks_not_1to1": 0}
+    stats = {"chunks_not_accepted": 0, "chunks_no_predictor": 0, "chunks_not_1to1": 0, "chunks_special_pair": 0}
     sb, tb = context.student_bytes, context.teacher_bytes
     for c in np.flatnonzero(status == ACCEPTED).tolist():
         m, n, s0, t0 = int(m_len[c]), int(n_len[c]), int(s_starts[c]), int(t_starts[c])
@@ -301,6 +307,19 @@ def build_row_events(
             continue
         s_tok = student_ids[s0 : s0 + m].tolist()
         t_tok = teacher_ids[t0 : t0 + n].tolist()
+        if shape == SHAPE_1_1 and context.is_special_pair(s_tok[0], t_tok[0]):
+            # Chat mode's end-of-turn pair: no byte spelling, so the only explicit event is the observed
+            # pair; everything else is REST on both sides.
+            obs_lp = teacher_lp[t0 - 1, t_tok[0]] if dense else observed[t0 - 1]
+            if not np.isfinite(obs_lp):
+                raise CsdError(
+                    f"{where}: the teacher log-probability of the special token of accepted chunk {c} is not "
+                    "finite; the teacher shard is corrupted, re-run `csd-pipeline teacher-logits`."
+                )
+            chunk = builder.start_chunk(shape, [])
+            builder._add_event(chunk, s0 - 1, np.asarray([s_tok[0]], dtype=np.int64), float(obs_lp))
+            stats["chunks_special_pair"] += 1
+            continue
         s_prefix = b"".join(sb[i] for i in s_tok[:-1])
         t_prefix = b"".join(tb[i] for i in t_tok[:-1])
         u_obs, v_obs = s_tok[-1], t_tok[-1]
