@@ -27,21 +27,33 @@ SLICE = DATA / "python-docs-slice.txt"
 
 
 @pytest.fixture(scope="session")
-def tables_for(tmp_path_factory, tokenizer_path):
-    """`tables_for(student, teacher)` -> (s2t, t2s) table paths, built once per session."""
+def tables_for(tokenizer_path):
+    """`tables_for(student, teacher)` -> (s2t, t2s) table paths.
+
+    Building a pair takes seconds, so tables are cached next to the fixtures, keyed by the
+    tokenizers' fingerprints and the source of the modules that build them (any change rebuilds).
+    """
+    import csd_pipeline.tables
+    import csd_pipeline.vocab
+    from csd_pipeline.fixtures import fixture_dir
     from csd_pipeline.tables import build_table
 
-    folder = tmp_path_factory.mktemp("tables")
-    built = {}
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.tables, csd_pipeline.vocab)))
+    folder = fixture_dir() / "test-cache" / "tables"
+    folder.mkdir(parents=True, exist_ok=True)
 
     def get(student: str, teacher: str) -> tuple[str, str]:
-        if (student, teacher) not in built:
-            s, t = load_bundle(str(tokenizer_path(student))), load_bundle(str(tokenizer_path(teacher)))
-            paths = (str(folder / f"{student}__{teacher}.safetensors"), str(folder / f"{teacher}__{student}.safetensors"))
-            build_table(s, t).save(paths[0])
-            build_table(t, s).save(paths[1])
-            built[(student, teacher)] = paths
-        return built[(student, teacher)]
+        s, t = load_bundle(str(tokenizer_path(student))), load_bundle(str(tokenizer_path(teacher)))
+        paths = []
+        for source, destination in ((s, t), (t, s)):
+            key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
+            path = folder / f"{key.hexdigest()[:24]}.safetensors"
+            if not path.is_file():
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                build_table(source, destination).save(tmp)
+                os.replace(tmp, path)
+            paths.append(str(path))
+        return paths[0], paths[1]
 
     return get
 

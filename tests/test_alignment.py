@@ -299,6 +299,8 @@ def check_rows(aligner_, documents, table) -> None:
         for bundle, ids, ctx in ((aligner_.student, row["student_ids"], aligner_.context[0]),
                                  (aligner_.teachers[0], row["teacher0_ids"], aligner_.context[1])):
             assert ids[0] == ctx
+            # No special token is ever parsed from the text (it may spell `<|endoftext|>`, `<s>`, ...).
+            assert not bundle.vocab.is_special[np.asarray(ids[1:], dtype=np.int64)].any()
             # The batch tokenization equals a plain, single-text tokenization.
             assert ids[1:] == bundle.tokenizer.encode(document.text, add_special_tokens=False).ids
             sides.append(_pieces(bundle.vocab, ids[1:], text_bytes))
