@@ -73,10 +73,10 @@ def trainer_data(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def trainer_teacher(trainer_data, tmp_path_factory):
-    """Teacher top-k (SmolLM2-135M-Instruct, k=8) of `trainer_data["train"]` (real model: slow-ish)."""
+    """Teacher top-k (SmolLM2-135M-Instruct, k=8) of `trainer_data["train_short"]` (real model: slow-ish)."""
     from tests.trainer_cases import make_teacher_topk
 
-    return make_teacher_topk(trainer_data["train"], tmp_path_factory.mktemp("trainer-teacher") / "topk")
+    return make_teacher_topk(trainer_data["train_short"], tmp_path_factory.mktemp("trainer-teacher") / "topk")
 
 
 # --------------------------------------------------------------------------------------------- end of csd-train section

@@ -14,7 +14,7 @@ from trainer.loop import train
 
 
 def args(data, teacher, output, *extra):
-    return ["--aligned", str(data["train"]), "--teacher-logits", str(teacher), "--student-config",
+    return ["--aligned", str(data["train_short"]), "--teacher-logits", str(teacher), "--student-config",
             str(data["student_config"]), "--student-tokenizer", "llama-spm", "--output", str(output), "--steps", "3",
             "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "0",
             "--workers", "0", "--no-progress", *extra]
@@ -45,6 +45,7 @@ def test_csd_steps_match_a_direct_loss_on_the_same_batch(trainer_data, trainer_t
     assert first["kd"] > 0 and first["chunks_1to1"] > 0 and first["chunks_Mto1"] + first["chunks_1toN"] > 0
     for row in rows:  # L = CE + sg(CE/KD) KD: its value is 2 CE with one micro-step
         assert row["loss"] == pytest.approx(2 * row["ce"], rel=1e-12)
+        assert 0 < row["teacher_event_mass"] <= 1 and 0 <= row["student_rest_mass"] <= 1
     # independent path: the same first batch, the same initial weights, dense logits, no FSDP
     config = parse_args(args(trainer_data, trainer_teacher, csd_run))
     data = TrainingData.open(config)
@@ -86,3 +87,14 @@ def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, train
 def test_kd_teacher_without_its_directory_is_refused(trainer_data, trainer_teacher, tmp_path):
     with pytest.raises(CsdError, match="--kd-teachers names teacher 1"):
         train(parse_args(args(trainer_data, trainer_teacher, tmp_path / "run", "--kd-teachers", "0:1,1:0.5")))
+
+
+@pytest.mark.slow
+def test_csd_resume_with_worker_processes_matches_the_in_process_run(trainer_data, trainer_teacher, csd_run,
+                                                                      tmp_path):
+    # the stream is the same whatever the number of data-loader workers, and resumes exactly
+    output = tmp_path / "run"
+    train(parse_args(args(trainer_data, trainer_teacher, output, "--workers", "2", "stop_at_step=2")))
+    train(parse_args(args(trainer_data, trainer_teacher, output, "--workers", "2", "--resume")))
+    keys = ("step", "loss", "ce", "kd", "lr", "grad_norm", "chunks_1to1", "chunks_1toN", "chunks_Mto1", "chunks_MtoN")
+    assert [{k: r[k] for k in keys} for r in metrics(output)] == [{k: r[k] for k in keys} for r in metrics(csd_run)]

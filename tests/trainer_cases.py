@@ -28,12 +28,16 @@ def align(corpus: list[Path], output: Path, max_student_tokens: int = 128) -> Pa
 
 def make_trainer_data(root: Path) -> dict:
     """{"train", "eval"}: aligned dirs of the botchan / devil slices (windows <= 128 student tokens);
-    "student_config": a 2-layer, 64-wide Llama config JSON with the llama-spm vocabulary."""
+    "train_short": the first 2500 characters of the botchan slice; "student_config": a 2-layer, 64-wide Llama config JSON with the llama-spm vocabulary."""
     from csd_pipeline.fixtures import tokenizer_path
 
     tokenizer_path("llama-spm")  # fails with `make fixtures` advice when the cache is missing
     out = {"train": align([DATA / "botchan-slice.txt"], root / "train"),
            "eval": align([DATA / "devil-slice.txt"], root / "eval")}
+    # a shorter text for the runs that need the real teacher's top-k (the teacher is the slow part)
+    short = root / "botchan-short.txt"
+    short.write_text((DATA / "botchan-slice.txt").read_text(encoding="utf-8")[:2500], encoding="utf-8")
+    out["train_short"] = align([short], root / "train-short")
     out["student_config"] = root / "student.json"
     out["student_config"].write_text(json.dumps(STUDENT_CONFIG))
     return out
