@@ -449,6 +449,8 @@ def csd_loss(
     """
     import torch
 
+    if divergence not in DIVERGENCES:
+        raise CsdError(f"unknown divergence {divergence!r}; choose one of {', '.join(DIVERGENCES)}.")
     if (logits is None) == (hidden is None or weight is None):
         raise CsdError("csd_loss needs either hidden and weight (chunked path) or logits, not both.")
     device = logits.device if logits is not None else hidden.device

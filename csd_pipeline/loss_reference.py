@@ -29,11 +29,13 @@ class ReferenceVocab:
 
     token_bytes: list[bytes]
     usable: np.ndarray
+    special: np.ndarray | None = None  # trusted special tokens (matched by role, never by spelling)
     _groups: dict | None = field(default=None, repr=False)
 
     @classmethod
     def from_vocabulary(cls, vocab) -> ReferenceVocab:
-        return cls(list(vocab.token_bytes), np.asarray(vocab.flags) == 0)
+        special = np.asarray(vocab.is_special) & ~np.asarray(vocab.untrusted)
+        return cls(list(vocab.token_bytes), np.asarray(vocab.flags) == 0, special)
 
     def groups(self) -> dict[bytes, list[int]]:
         """Spelling -> ids, by one scan over every id (its own brute-force spelling classes)."""
@@ -59,14 +61,46 @@ class ReferenceTeacher:
 _PAIR_CACHE: dict = {}
 
 
+@dataclass
+class _Pairs:
+    """Enumerated spelling pairs of a chunk as flat id arrays (pair k: its student and teacher ids)."""
+
+    pairs: list  # [(student spelling, teacher spelling)]
+    s_ids: np.ndarray  # flat student ids
+    s_pair: np.ndarray  # pair index of each
+    t_ids: np.ndarray
+    t_pair: np.ndarray
+    s_size: np.ndarray  # ids per pair
+    t_size: np.ndarray
+
+
 def _chunk_spelling_pairs(s_voc: ReferenceVocab, t_voc: ReferenceVocab, shape: str, s_prefix: bytes, t_prefix: bytes, obs):
     """All (student spelling, teacher spelling) that complete the chunk identically, by scanning."""
     key = (id(s_voc), id(t_voc), shape, s_prefix if shape == "M:1" else b"", t_prefix if shape == "1:N" else b"", obs if shape == "M:N" else None)
     if key not in _PAIR_CACHE:
         if len(_PAIR_CACHE) > 256:
             _PAIR_CACHE.clear()
-        _PAIR_CACHE[key] = (s_voc, t_voc, _scan_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs))
+        pairs = _scan_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs)
+        sg, tg = s_voc.groups(), t_voc.groups()
+        s_lists = [sg[x] for x, _ in pairs]
+        t_lists = [tg[y] for _, y in pairs]
+        s_size = np.asarray([len(a) for a in s_lists], dtype=np.int64)
+        t_size = np.asarray([len(b) for b in t_lists], dtype=np.int64)
+        flat = _Pairs(
+            pairs,
+            np.asarray([i for a in s_lists for i in a], dtype=np.int64),
+            np.repeat(np.arange(len(pairs)), s_size),
+            np.asarray([i for b in t_lists for i in b], dtype=np.int64),
+            np.repeat(np.arange(len(pairs)), t_size),
+            s_size,
+            t_size,
+        )
+        _PAIR_CACHE[key] = (s_voc, t_voc, flat)
     return _PAIR_CACHE[key][2]
+
+
+def _special(voc: ReferenceVocab, token: int) -> bool:
+    return voc.special is not None and bool(voc.special[token])
 
 
 def _scan_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs):
@@ -112,6 +146,27 @@ def _divergence(pt, ps, divergence: str):
     raise CsdError(f"unknown divergence {divergence!r}")
 
 
+@dataclass
+class ReferenceChunk:
+    """One accepted chunk: shape, chain probabilities and per-event final-token probabilities."""
+
+    shape: str
+    chain_t: float
+    final_t: Any  # [K] teacher final-token class probabilities
+    chain_s: Any  # student chain probability (0-dim tensor)
+    final_s: Any  # [K] student final-token class probabilities
+
+    def distributions(self):
+        """(P_T, P_S): q(k) = chain x final(k) for the K events, then REST = 1 - sum."""
+        import torch
+
+        q_t = self.chain_t * self.final_t
+        q_s = self.chain_s * self.final_s
+        p_t = torch.cat([q_t, torch.clamp(1 - q_t.sum(), min=0).reshape(1)])
+        p_s = torch.cat([q_s, torch.clamp(1 - q_s.sum(), min=0).reshape(1)])
+        return p_t, p_s
+
+
 def reference_chunk_distributions(
     student_probs,
     row: dict,
@@ -123,7 +178,7 @@ def reference_chunk_distributions(
     spelling: str = "sum",
     only_1to1: bool = False,
 ):
-    """Per accepted chunk: (shape, P_T, P_S) as explicit probability vectors (events then REST).
+    """Per accepted chunk, a ReferenceChunk (events enumerated by scanning the raw bytes).
 
     student_probs: dense softmax [Ts, Vs] (float64 tensor). The teacher's final-token
     candidates are all ids (dense) or the stored top-k plus the observed token.
@@ -135,6 +190,8 @@ def reference_chunk_distributions(
     ms = [int(x) for x in row[f"teacher{teacher_index}_chunk_student_len"]]
     ns = [int(x) for x in row[f"teacher{teacher_index}_chunk_teacher_len"]]
     st = [int(x) for x in row[f"teacher{teacher_index}_chunk_status"]]
+    # One row tensor per position: indexing them keeps each backward op at O(V), not O(T x V).
+    rows = torch.unbind(student_probs, 0)
     dense = not isinstance(teacher_row, dict)
     if dense:
         t_probs = np.exp(np.asarray(teacher_row, dtype=np.float64))
@@ -157,7 +214,7 @@ def reference_chunk_distributions(
         # Chain probabilities.
         chain_s = torch.ones((), dtype=student_probs.dtype)
         for r in range(m - 1):
-            chain_s = chain_s * student_probs[c_s0 - 1 + r, s_tok[r]]
+            chain_s = chain_s * rows[c_s0 - 1 + r][s_tok[r]]
         chain_t = 1.0
         for r in range(n - 1):
             j = c_t0 - 1 + r
@@ -173,36 +230,52 @@ def reference_chunk_distributions(
             if v_obs not in cand:
                 cand[v_obs] = math.exp(float(teacher_row["observed_logprob"][ft]))
 
+        if shape == "1:1" and _special(s_voc, u_obs) and _special(t_voc, v_obs):
+            # A pair of special tokens (chat end-of-turn): the observed pair is the only event.
+            p_t = float(t_probs[ft, v_obs]) if dense else cand[v_obs]
+            final = rows[fs][u_obs].reshape(1)
+            out.append(ReferenceChunk(shape, chain_t, torch.tensor([p_t], dtype=student_probs.dtype), chain_s, final))
+            continue
         obs = (s_voc.token_bytes[u_obs], t_voc.token_bytes[v_obs])
-        pairs = _chunk_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs)
-        sg, tg = s_voc.groups(), t_voc.groups()
-        ev_student_ids, ev_student_idx, q_t = [], [], []
-        for x, y in pairs:
-            s_ids, t_ids = sg[x], tg[y]
-            is_obs = (x, y) == obs
-            if spelling == "exclude" and (len(s_ids) > 1 or len(t_ids) > 1):
-                if not is_obs:
-                    continue
-                s_ids, t_ids = [u_obs], [v_obs]
-            if dense:
-                present = [float(t_probs[ft, v]) for v in t_ids]
-            else:
-                present = [cand[v] for v in t_ids if v in cand]
-            if not present:
-                continue  # no candidate of this teacher spelling in the stored top-k
-            k = len(q_t)
-            q_t.append(chain_t * sum(present))
-            ev_student_ids.extend(s_ids)
-            ev_student_idx.extend([k] * len(s_ids))
-        if not q_t:
+        pp = _chunk_spelling_pairs(s_voc, t_voc, shape, s_prefix, t_prefix, obs)
+        if obs not in pp.pairs:
+            raise CsdError("reference: the observed pair of a chunk is not among its enumerated events")
+        obs_k = pp.pairs.index(obs)
+        s_ids, s_pair, t_ids, t_pair = pp.s_ids, pp.s_pair, pp.t_ids, pp.t_pair
+        n_pairs = len(pp.pairs)
+        keep = np.ones(n_pairs, dtype=bool)
+        if spelling == "exclude":
+            keep = (pp.s_size == 1) & (pp.t_size == 1)
+            keep[obs_k] = True
+            if not (pp.s_size[obs_k] == 1 and pp.t_size[obs_k] == 1):
+                # The observed event keeps only the observed ids.
+                s_sel = (s_pair != obs_k) | (s_ids == u_obs)
+                t_sel = (t_pair != obs_k) | (t_ids == v_obs)
+                s_ids, s_pair, t_ids, t_pair = s_ids[s_sel], s_pair[s_sel], t_ids[t_sel], t_pair[t_sel]
+        # Teacher final-token probability of every listed teacher id (0 when not a stored candidate).
+        if dense:
+            t_p = t_probs[ft, t_ids]
+            present = np.ones(len(t_ids), dtype=bool)
+        else:
+            c_ids = np.asarray(sorted(cand), dtype=np.int64)
+            c_p = np.asarray([cand[int(v)] for v in c_ids])
+            at = np.minimum(np.searchsorted(c_ids, t_ids), len(c_ids) - 1)
+            present = c_ids[at] == t_ids
+            t_p = np.where(present, c_p[at], 0.0)
+        has_candidate = np.bincount(t_pair[present], minlength=n_pairs) > 0
+        keep &= has_candidate  # spellings without a stored candidate stay in REST
+        event_of_pair = np.full(n_pairs, -1, dtype=np.int64)
+        event_of_pair[keep] = np.arange(int(keep.sum()))
+        q_t = np.zeros(int(keep.sum()))
+        t_keep = keep[t_pair]
+        np.add.at(q_t, event_of_pair[t_pair[t_keep]], t_p[t_keep])
+        s_keep = keep[s_pair]
+        final = torch.zeros(len(q_t), dtype=student_probs.dtype).index_add(
+            0, torch.as_tensor(event_of_pair[s_pair[s_keep]]), rows[fs][torch.as_tensor(s_ids[s_keep])]
+        )
+        if not len(q_t):
             raise CsdError("reference: a chunk without events (the observed pair must be one)")
-        final = torch.zeros(len(q_t), dtype=student_probs.dtype)
-        final = final.index_add(0, torch.as_tensor(ev_student_idx), student_probs[fs, torch.as_tensor(ev_student_ids)])
-        q_s = chain_s * final
-        q_t_tensor = torch.as_tensor(q_t, dtype=student_probs.dtype)
-        p_t = torch.cat([q_t_tensor, torch.clamp(1 - q_t_tensor.sum(), min=0).reshape(1)])
-        p_s = torch.cat([q_s, torch.clamp(1 - q_s.sum(), min=0).reshape(1)])
-        out.append((shape, p_t, p_s))
+        out.append(ReferenceChunk(shape, chain_t, torch.as_tensor(q_t, dtype=student_probs.dtype), chain_s, final))
     return out
 
 
@@ -234,12 +307,11 @@ def reference_loss(
     for logits, row in zip(student_logits, rows, strict=True):
         logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
         probs.append(torch.exp(logp))
-        ids = [int(x) for x in row["student_ids"]]
-        mask = [bool(x) for x in row["student_loss_mask"]]
-        for p in range(len(ids) - 1):
-            if mask[p + 1]:
-                ce_sum = ce_sum - logp[p, ids[p + 1]]
-                n_ce += 1
+        ids = torch.as_tensor(np.asarray(row["student_ids"], dtype=np.int64))
+        mask = torch.as_tensor(np.asarray(row["student_loss_mask"], dtype=bool))
+        targets = torch.nonzero(mask[1:]).flatten()
+        ce_sum = ce_sum - logp[targets, ids[targets + 1]].sum()
+        n_ce += int(targets.numel())
     ce = ce_sum / float(global_ce_tokens if global_ce_tokens is not None else n_ce)
     kd = torch.zeros((), dtype=torch.float64)
     kd_parts, chunk_counts = [], []
@@ -247,11 +319,11 @@ def reference_loss(
         total = torch.zeros((), dtype=torch.float64)
         count = 0
         for probs_row, row, t_row in zip(probs, rows, teacher.rows, strict=True):
-            for shape, p_t, p_s in reference_chunk_distributions(
+            for chunk in reference_chunk_distributions(
                 probs_row, row, i, t_row, student_vocab, teacher.vocab, spelling=spelling, only_1to1=only_1to1
             ):
-                d = _divergence(p_t, p_s, divergence)
-                total = total + (d if shape == "1:1" else beta * d)
+                d = _divergence(*chunk.distributions(), divergence)
+                total = total + (d if chunk.shape == "1:1" else beta * d)
                 count += 1
         denom = count if global_chunk_counts is None else global_chunk_counts[i]
         part = total / denom if denom else torch.zeros((), dtype=torch.float64)
