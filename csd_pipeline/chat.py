@@ -188,9 +188,7 @@ def load_chat_template(bundle, path: str | None, who: str) -> ChatTemplate:
     if not file.is_file():
         raise CsdError(f"{flag} {path}: no such file; pass a .jinja file, a tokenizer_config.json or a GGUF file.")
     if file.suffix.lower() == ".gguf":
-        from csd_pipeline.gguf_tokenizer import read_gguf_vocabulary
-
-        source = read_gguf_vocabulary(file).metadata.get("tokenizer.chat_template")
+        source = gguf_chat_template(file)
         if not source:
             raise CsdError(f"{flag} {path}: the GGUF file has no tokenizer.chat_template; pass a .jinja file.")
         return ChatTemplate(source, str(path))
@@ -207,6 +205,54 @@ def load_chat_template(bundle, path: str | None, who: str) -> ChatTemplate:
             raise CsdError(f"{flag} {path}: the JSON file has no chat_template; pass a .jinja file.")
         return ChatTemplate(source, str(path))
     return ChatTemplate(text, str(path))
+
+
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_chat_template(path) -> str | None:
+    """`tokenizer.chat_template` from a GGUF file's metadata (None when absent), read without parsing
+    the vocabulary arrays. Raises `CsdError` when the file is not a little-endian GGUF v2/v3 file."""
+    import mmap
+    import struct
+
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF" or struct.unpack_from("<I", data, 4)[0] not in (2, 3):
+                raise ValueError("not a GGUF v2/v3 file")
+            count = struct.unpack_from("<Q", data, 16)[0]
+            at = 24
+
+            def string(at):
+                size = struct.unpack_from("<Q", data, at)[0]
+                return bytes(data[at + 8:at + 8 + size]), at + 8 + size
+
+            def skip(kind, at):
+                if kind in _GGUF_SIZES:
+                    return at + _GGUF_SIZES[kind]
+                if kind == _GGUF_STRING:
+                    return string(at)[1]
+                if kind == _GGUF_ARRAY:
+                    inner, n = struct.unpack_from("<IQ", data, at)
+                    at += 12
+                    if inner in _GGUF_SIZES:
+                        return at + n * _GGUF_SIZES[inner]
+                    for _ in range(n):
+                        at = skip(inner, at)
+                    return at
+                raise ValueError(f"unknown GGUF value type {kind}")
+
+            for _ in range(count):
+                key, at = string(at)
+                kind = struct.unpack_from("<I", data, at)[0]
+                at += 4
+                if key == b"tokenizer.chat_template" and kind == _GGUF_STRING:
+                    return string(at)[0].decode("utf-8")
+                at = skip(kind, at)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+        raise CsdError(f"{path} is not a readable GGUF file ({err}); pass a .jinja template instead.") from None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,11 +299,11 @@ class ChatSide:
         self.bundle = bundle
         self.template = template
         self.who = who
-        spec = json.loads(bundle.raw_json)
-        self._added = {t["content"]: t for t in spec.get("added_tokens") or [] if t.get("special")}
+        self._added = {t.content: (i, t.lstrip, t.rstrip)
+                       for i, t in bundle.tokenizer.get_added_tokens_decoder().items() if t.special}
         names = sorted(self._added, key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
-        self._tokenizer = _prefix_free_tokenizer(spec, bundle)
+        self._tokenizer = _prefix_free_tokenizer(bundle)
         self.variables = {name: _token_text(bundle.config.get(name))
                           for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.variables = {k: v for k, v in self.variables.items() if v is not None}
@@ -411,16 +457,16 @@ class ChatSide:
             for t0, t1 in _complement(content_spans, len(text)):
                 for match in self._special_re.finditer(text, t0, t1):
                     s, e = match.span()
-                    token = self._added[match.group()]
-                    if token.get("lstrip"):
+                    token_id, lstrip, rstrip = self._added[match.group()]
+                    if lstrip:
                         while s > max(t0, position) and text[s - 1].isspace():
                             s -= 1
-                    if token.get("rstrip"):
+                    if rstrip:
                         while e < t1 and text[e].isspace():
                             e += 1
                     if position < s:
                         pieces.append((position, s, None, None))
-                    pieces.append((s, e, match.start(), token["id"]))
+                    pieces.append((s, e, match.start(), token_id))
                     position = e
         if position < len(text):
             pieces.append((position, len(text), None, None))
@@ -624,9 +670,12 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _prefix_free_tokenizer(spec: dict, bundle):
+def _prefix_free_tokenizer(bundle):
     """The bundle's tokenizer without a dummy prefix (a rendered chat is cut into pieces; only the text
     of the whole document would get one) and with special-token parsing off."""
+    if not bundle.vocab.dummy_prefix and '"add_prefix_space": true' not in bundle.raw_json.replace('":true', '": true'):
+        return bundle.tokenizer
+    spec = json.loads(bundle.raw_json)
     changed = False
 
     def strip_prefix(node):
@@ -649,7 +698,6 @@ def _prefix_free_tokenizer(spec: dict, bundle):
                 changed = True
         return node
 
-    spec = json.loads(json.dumps(spec))
     normalizer = spec.get("normalizer")
     if isinstance(normalizer, dict) and normalizer.get("type") == "Prepend":
         spec["normalizer"], changed = None, True
