@@ -1,6 +1,6 @@
 """Speed of `csd-train` (issue 7, §9): the CSD step against a CE-only step, and the data pipeline.
 
-Data: the first 48 KiB (quick: 12 KiB) of /work/shared/corpus/botchan.txt when present, else the
+Data: the first 24 KiB (quick: 8 KiB) of /work/shared/corpus/botchan.txt when present, else the
 committed slice tests/data/botchan-slice.txt; aligned (llama-spm student, smollm2 teacher, windows
 of at most 256 student tokens) and scored by the real SmolLM2-135M-Instruct teacher (top-32). This
 set-up is not timed.
@@ -46,7 +46,7 @@ def _prepare(tmp: Path, quick: bool) -> tuple[Path, Path, str]:
     from csd_pipeline.align_stage import AlignConfig, run_align
     from csd_pipeline.teacher_logits import TeacherLogitsConfig, run_teacher_logits
 
-    size = (12 if quick else 48) << 10
+    size = (8 if quick else 24) << 10
     if FULL_TEXT.is_file():
         text, source = FULL_TEXT.read_text(encoding="utf-8")[:size], f"botchan.txt (first {size >> 10} KiB)"
     else:

@@ -57,17 +57,21 @@ def _param_dtype(config: TrainConfig, device) -> torch.dtype:
 
 
 def _prepare_output(config: TrainConfig, ctx) -> None:
+    # every rank checks (same files, same verdict: no rank waits on one that gave up), then rank 0 writes
     out = Path(config.output)
     saved = out / RESOLVED_CONFIG
+    if out.exists() and not out.is_dir():
+        raise CsdError(f"--output {out} is a file; pass a directory")
+    if checkpoint.complete_checkpoints(out) and not config.resume:
+        raise CsdError(f"{out} already holds checkpoints; pass --resume to continue that run "
+                       "or choose a new --output")
+    if config.resume and saved.is_file():
+        from trainer.config import load_yaml
+
+        check_resume_compatible(config, load_yaml(str(saved)), str(out))
+    distributed.barrier()
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        if checkpoint.complete_checkpoints(out) and not config.resume:
-            raise CsdError(f"{out} already holds checkpoints; pass --resume to continue that run "
-                           "or choose a new --output")
-        if config.resume and saved.is_file():
-            from trainer.config import load_yaml
-
-            check_resume_compatible(config, load_yaml(str(saved)), str(out))
         write_resolved(config, str(saved))
     distributed.barrier()
 
@@ -122,6 +126,7 @@ def _train(config: TrainConfig, ctx) -> dict:
     weights = data.teacher_weights
     state_after = loader_state
     last: dict = {}
+    evaluated_at = None
     start_time = time.perf_counter()
     last_step = min(config.steps, config.stop_at_step or config.steps)
     try:
@@ -142,6 +147,7 @@ def _train(config: TrainConfig, ctx) -> dict:
             last = record
             if config.eval_aligned and config.eval_every and step % config.eval_every == 0:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
+                evaluated_at = step
             if (config.save_every and step % config.save_every == 0) or step == last_step:
                 checkpoint.save_checkpoint(
                     config.output, step, wrapper, optimizer,
@@ -152,7 +158,7 @@ def _train(config: TrainConfig, ctx) -> dict:
                 export_hf(wrapper, data.student_tokenizer, Path(config.output) / f"{EXPORT_DIR}-step-{step}",
                           ctx.is_main)
         if step == config.steps:
-            if config.eval_aligned:
+            if config.eval_aligned and evaluated_at != step:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
             export_hf(wrapper, data.student_tokenizer, Path(config.output) / EXPORT_DIR, ctx.is_main)
     finally:

@@ -176,9 +176,7 @@ def shard_student(wrapper, device, param_dtype) -> None:
                                   output_dtype=torch.float32)
     for layer in wrapper.decoder_layers():
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(wrapper, mesh=mesh, mp_policy=policy)
-    if device.type != "cpu":
-        wrapper.to(device)  # buffers (rotary tables) follow the parameters
+    fully_shard(wrapper, mesh=mesh, mp_policy=policy)  # also moves parameters and buffers to the mesh device
 
 
 def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_main: bool) -> None:
@@ -201,6 +199,9 @@ def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_
         fresh = transformers.AutoModelForCausalLM.from_config(config)
     fresh.load_state_dict(state, strict=True, assign=True)
     fresh.tie_weights()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is on stderr
     fresh.save_pretrained(tmp, safe_serialization=True)
     save_tokenizer(tokenizer_source, tmp)
     if output_dir.exists():
