@@ -284,23 +284,10 @@ def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> N
 
 
 def table_fingerprints(path) -> tuple[str, str]:
-    """(source, destination) tokenizer fingerprints of a stored table, read from its header only.
+    """(source, destination) tokenizer fingerprints of a stored table (see `tables.read_table_fingerprints`)."""
+    from csd_pipeline.tables import read_table_fingerprints
 
-    Raises `CsdError` (from `tables.load_table`) when the file is missing or not a table.
-    """
-    import json
-
-    from safetensors import safe_open
-
-    from csd_pipeline.tables import _META_KEY, load_table
-
-    try:
-        with safe_open(str(path), framework="numpy") as handle:
-            meta = json.loads((handle.metadata() or {})[_META_KEY])
-        return meta["source"]["fingerprint"], meta["destination"]["fingerprint"]
-    except Exception:
-        table = load_table(path)  # raises the table module's one-sentence error
-        return table.source_fingerprint, table.destination_fingerprint
+    return read_table_fingerprints(path)
 
 
 def _copy_atomic(source: Path, target: Path) -> None:

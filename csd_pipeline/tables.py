@@ -324,6 +324,22 @@ def _check_prefix_sample(label, table, src: Vocabulary, dst: Vocabulary, rng, sa
             raise CsdError(f"table {label}: the prefix entries of source token {rep} differ from the tokenizers'; rebuild the table")
 
 
+def read_table_fingerprints(path: str | os.PathLike) -> tuple[str, str]:
+    """(source, destination) tokenizer fingerprints of a stored table, from its header only.
+
+    Cheap (no tensor is read); raises CsdError like `load_table` when the file is not a table.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            meta = json.loads((handle.metadata() or {})[_META_KEY])
+        return meta["source"]["fingerprint"], meta["destination"]["fingerprint"]
+    except Exception:
+        table = load_table(path)  # raises the one-sentence error for a missing/foreign/corrupted file
+        return table.source_fingerprint, table.destination_fingerprint
+
+
 def inspect_table(path: str | os.PathLike) -> dict:
     """Counts of a stored table (see `SubtokenTable.counts`)."""
     return load_table(path).counts()
