@@ -526,3 +526,38 @@ def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
         assert record["kd"] > 0 and record["chunks_1to1"] > 0
         assert record["supervised_tokens_per_row"] == record["ce_tokens"] / record["aligned_rows"]
         assert min(per_row) <= record["supervised_tokens_per_row"] <= max(per_row)
+
+
+def test_two_teachers_each_with_its_own_template():
+    recs = records(FAQ)[:4]
+    chat = ChatAligner(bundle("qwen2"), [bundle("smollm2"), bundle("llama-bpe")], 4096, [4096, 4096], ChatOptions(),
+                       [None, None, template_file(LLAMA32)])
+    rows, stats = align(chat, recs)
+    assert len(rows) == 4 and stats["rejected_documents"] == {}
+    single, _ = align(aligner("qwen2", "smollm2"), recs)
+    for row, alone, record in zip(rows, single, recs, strict=True):
+        assert row["student_loss_mask"] == alone["student_loss_mask"]
+        assert [row[k] for k in alone if k.startswith("teacher0")] == [alone[k] for k in alone if k.startswith("teacher0")]
+        llama = dict(row, **{k.replace("teacher1", "teacher0"): v for k, v in row.items() if k.startswith("teacher1")})
+        check_accepted_chunks(llama, "qwen2", "llama-bpe")
+        content = [c for c in chunk_ranges(llama) if c[0] == ChunkStatus.ACCEPTED][:-1]
+        assert b"".join(spelled("llama-bpe", llama["teacher0_ids"][a:b]) for _, _, (a, b) in content) == \
+            final(record)["content"].encode()
+
+
+def test_chat_shards_do_not_depend_on_workers(chat_dir, tmp_path, capsys):
+    import hashlib
+
+    tables = [str(chat_dir / "tables/teacher0" / n) for n in ("student_to_teacher.safetensors",
+                                                              "teacher_to_student.safetensors")]
+    hashes = []
+    for workers in ("1", "2"):
+        out = tmp_path / f"w{workers}"
+        code, _, err = run_cli(["align", "--mode", "chat", "--corpus", str(FAQ), "--student-tokenizer", "qwen2",
+                                "--teacher-tokenizer", "smollm2", "--output", str(out), "--shard-mb", "0.01",
+                                "--tables", *tables, "--workers", workers, "--quiet"], capsys)
+        assert code == 0, err
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["totals"]["shards"] > 2
+        hashes.append([hashlib.sha256((out / s["file"]).read_bytes()).hexdigest() for s in manifest["shards"]])
+    assert hashes[0] == hashes[1]
