@@ -19,6 +19,7 @@ Ids sharing a spelling are summed into one event (`spelling="sum"`) or sent to R
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from math import isfinite
 from typing import Any
 
 import numpy as np
@@ -136,16 +137,17 @@ class EventContext:
         self.student_vocab, self.teacher_vocab = student_vocab, teacher_vocab
         self.student_bytes = s2t.source.token_bytes
         self.teacher_bytes = s2t.destination.token_bytes
-        self.student_classes: dict[bytes, np.ndarray] = {
-            k: np.asarray(v, dtype=np.int64) for k, v in s2t.source.spellings().items()
+        # Spelling -> ids (tuples of ints: per-chunk work is plain dictionary look-ups).
+        self.student_classes: dict[bytes, tuple[int, ...]] = {
+            k: tuple(int(i) for i in v) for k, v in s2t.source.spellings().items()
         }
-        self.teacher_classes: dict[bytes, np.ndarray] = {
-            k: np.asarray(v, dtype=np.int64) for k, v in s2t.destination.spellings().items()
+        self.teacher_classes: dict[bytes, tuple[int, ...]] = {
+            k: tuple(int(i) for i in v) for k, v in s2t.destination.spellings().items()
         }
         # Per teacher id: its spelling (None for specials / untrusted tokens: never a spelling).
         self.teacher_spelling: list[bytes | None] = [None] * len(self.teacher_bytes)
         for spelling, ids in self.teacher_classes.items():
-            for i in ids.tolist():
+            for i in ids:
                 self.teacher_spelling[i] = spelling
         self._common_dense = None
         self._prefix_cache: dict[tuple[str, bytes], list] = {}
@@ -360,9 +362,9 @@ class _RowBuilder:
         self.chain_pos: list[int] = []
         self.chain_tok: list[int] = []
         self.chain_chunk: list[int] = []
-        self.final_pos: list[np.ndarray] = []
-        self.final_tok: list[np.ndarray] = []
-        self.final_event: list[np.ndarray] = []
+        self.final_pos: list[int] = []
+        self.final_tok: list[int] = []
+        self.final_event: list[int] = []
         self.event_chunk: list[int] = []
         self.event_logq: list[float] = []
         self.chunk_shape: list[int] = []
@@ -376,13 +378,19 @@ class _RowBuilder:
             self.chain_chunk.append(c)
         return c
 
-    def _add_event(self, chunk: int, pos: int, student_ids: np.ndarray, teacher_logq: float) -> None:
+    def _add_event(self, chunk: int, pos: int, student_ids, teacher_logq: float) -> None:
         e = len(self.event_chunk)
         self.event_chunk.append(chunk)
         self.event_logq.append(teacher_logq)
-        self.final_pos.append(np.full(len(student_ids), pos, dtype=np.int64))
-        self.final_tok.append(student_ids)
-        self.final_event.append(np.full(len(student_ids), e, dtype=np.int64))
+        if len(student_ids) == 1:
+            self.final_pos.append(pos)
+            self.final_tok.append(int(student_ids[0]))
+            self.final_event.append(e)
+        else:
+            n = len(student_ids)
+            self.final_pos.extend([pos] * n)
+            self.final_tok.extend(int(i) for i in student_ids)
+            self.final_event.extend([e] * n)
 
     def _student_class_for(self, shape: int, teacher_spelling: bytes, s_prefix: bytes, t_prefix: bytes):
         """Student final spelling paired with a teacher final spelling, or None (not an event)."""
@@ -407,13 +415,14 @@ class _RowBuilder:
         obs_spelling = tsp[v_obs]
         groups: dict[bytes, list[float]] = {}
         seen_obs = False
+        n_teacher = len(tsp)
         for v, lp in zip(cand_ids.tolist(), cand_lp.tolist()):
             if v == v_obs:
                 seen_obs = True
-                lp = obs_lp = lp if np.isfinite(lp) else obs_lp
-            if v != v_obs and not np.isfinite(lp):
+                lp = obs_lp = lp if isfinite(lp) else obs_lp
+            elif not isfinite(lp):
                 continue  # padding of a short top-k row
-            y = tsp[v] if 0 <= v < len(tsp) else None
+            y = tsp[v] if 0 <= v < n_teacher else None
             if y is None or (shape == SHAPE_M_N and y != obs_spelling):
                 continue
             groups.setdefault(y, []).append(lp)
@@ -434,7 +443,7 @@ class _RowBuilder:
             if self.exclude and (len(s_ids) > 1 or len(ctx.teacher_classes[y]) > 1):
                 if not is_obs:
                     continue
-                s_ids = np.asarray([u_obs], dtype=np.int64)
+                s_ids = (u_obs,)
                 lps = [obs_lp]
             if is_obs:
                 if u_obs not in s_ids:
@@ -466,13 +475,13 @@ class _RowBuilder:
             if self.exclude and (len(s_ids) > 1 or len(t_ids) > 1):
                 if not is_obs:
                     continue
-                s_ids = np.asarray([u_obs], dtype=np.int64)
-                t_ids = np.asarray([v_obs], dtype=np.int64)
+                s_ids = (u_obs,)
+                t_ids = (v_obs,)
             if is_obs:
                 if u_obs not in s_ids or v_obs not in t_ids:
                     raise self._observed_error(chunk)
                 found_obs = True
-            self._add_event(chunk, pos, s_ids, chain + _logsumexp(teacher_row[t_ids]))
+            self._add_event(chunk, pos, s_ids, chain + _logsumexp(teacher_row[np.asarray(t_ids)]))
         if not found_obs:
             raise self._observed_error(chunk)
 
@@ -508,24 +517,21 @@ class _RowBuilder:
         sel = keep[s_keep_cls]
         self.event_chunk.extend([chunk] * kept.size)
         self.event_logq.extend(logq[kept].tolist())
-        self.final_tok.append(s_keep_ids[sel].astype(np.int64))
-        self.final_event.append(event_of_class[s_keep_cls[sel]])
-        self.final_pos.append(np.full(int(sel.sum()), pos, dtype=np.int64))
+        self.final_tok.extend(s_keep_ids[sel].tolist())
+        self.final_event.extend(event_of_class[s_keep_cls[sel]].tolist())
+        self.final_pos.extend([pos] * int(sel.sum()))
 
     def finish(self, stats: dict) -> BatchEvents:
         def ints(values):
             return np.asarray(values, dtype=np.int64)
 
-        def cat(parts):
-            return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
         return BatchEvents(
             chain_pos=ints(self.chain_pos),
             chain_tok=ints(self.chain_tok),
             chain_chunk=ints(self.chain_chunk),
-            final_pos=cat(self.final_pos),
-            final_tok=cat(self.final_tok),
-            final_event=cat(self.final_event),
+            final_pos=ints(self.final_pos),
+            final_tok=ints(self.final_tok),
+            final_event=ints(self.final_event),
             event_chunk=ints(self.event_chunk),
             event_teacher_logq=np.asarray(self.event_logq, dtype=np.float64),
             chunk_shape=ints(self.chunk_shape),

@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 SHAPE_NAMES = ("1:1", "1:N", "M:1", "M:N")
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = None  # auto: about 2^25 logits (128 MiB in float32) per position chunk
+_AUTO_CHUNK_ELEMENTS = 1 << 25
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,7 +124,10 @@ def _make_chunked_function():
                 if need_h:
                     grad_h_rows[a:b] = (d_mm @ weight).to(acc)
                 if need_w:
-                    grad_w += (d_mm.T @ h_c).to(acc)
+                    if d_mm.dtype == acc:
+                        grad_w.addmm_(d_mm.T, h_c)  # in place: no [V, H] temporary per chunk
+                    else:
+                        grad_w += (d_mm.T @ h_c).to(acc)
                 del d_mm
             grad_hidden = None
             if need_h:
@@ -145,13 +149,14 @@ def chunked_token_logprobs(
     weight: torch.Tensor,
     positions: torch.Tensor,
     tokens: torch.Tensor,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Student log-probabilities log softmax(hidden @ weight.T)[positions[g], tokens[g]].
 
     hidden: [P, H] last hidden states (flattened batch); weight: [V, H] LM head; positions,
-    tokens: int64 [G]. Logits are formed `chunk_size` distinct positions at a time and
-    recomputed in backward, so memory is O(chunk_size x V) instead of O(P x V). Only positions
+    tokens: int64 [G]. Logits are formed `chunk_size` distinct positions at a time (default: about
+    2^25 logits per chunk, 256 positions at V = 128k) and recomputed in backward, so memory is
+    O(chunk_size x V) instead of O(P x V). Only positions
     that are requested are computed. Returns [G] in float32 (float64 for float64 inputs);
     bf16/fp16 inputs give bf16 matmuls with float32 softmax and accumulation.
     Raises CsdError on mismatched shapes or out-of-range positions/tokens.
@@ -164,6 +169,8 @@ def chunked_token_logprobs(
             f"chunked_token_logprobs needs hidden [P, H] and weight [V, H], got {tuple(hidden.shape)} "
             f"and {tuple(weight.shape)}; flatten the batch and pass the LM head weight."
         )
+    if chunk_size is None:
+        chunk_size = max(8, _AUTO_CHUNK_ELEMENTS // max(1, weight.shape[0]))
     if chunk_size < 1:
         raise CsdError(f"chunk_size must be at least 1, got {chunk_size}; set loss.chunk_size.")
     positions = positions.to(device=hidden.device, dtype=torch.int64)
@@ -434,7 +441,7 @@ def csd_loss(
     global_chunk_counts: Sequence[int | float] | None = None,
     divergence: str = "jsd",
     beta: float = 5.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     kd_scale: torch.Tensor | float | None = None,
     teacher_rest_floor: float = 0.0,
 ) -> LossOutput:

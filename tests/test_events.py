@@ -96,7 +96,7 @@ def test_dense_events_follow_the_tables(spm):
             assert len(obs_event) == 1
             # Its teacher log q is the chain plus the observed final token's class.
             chain_t = sum(d[t0 - 1 + r, tid[t0 + r]] for r in range(n - 1))
-            t_class = ctx.teacher_classes[tb[tid[t0 + n - 1]]]
+            t_class = list(ctx.teacher_classes[tb[tid[t0 + n - 1]]])
             expected = chain_t + np.logaddexp.reduce(d[t0 + n - 2, t_class])
             assert abs(ev.event_teacher_logq[obs_event[0]] - expected) < 1e-9
     assert seen == {SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N}
@@ -151,12 +151,12 @@ def test_spelling_classes_sum_or_exclude(spm):
             ids_exc = [exc_ids[e] for e in _events_of(excluded, c)]
             # Sum: each event holds the whole spelling class; exclude: only single-id events (+ observed).
             classes = ctx.student_classes
-            assert all(sorted(ids) == classes[s.vocab.token_bytes[ids[0]]].tolist() for ids in ids_sum)
+            assert all(sorted(ids) == list(classes[s.vocab.token_bytes[ids[0]]]) for ids in ids_sum)
             assert all(len(ids) == 1 for ids in ids_exc)
             assert [u_obs] in ids_exc
             if x in multi:
                 found_observed_multi = True
-                assert sorted(ctx.student_classes[x].tolist()) in [sorted(i) for i in ids_sum]
+                assert sorted(ctx.student_classes[x]) in [sorted(i) for i in ids_sum]
             if int(summed.chunk_shape[c]) == SHAPE_1_1:
                 assert len(ids_exc) < len(ids_sum)
     assert found_observed_multi

@@ -1,0 +1,247 @@
+"""Benchmark of the CSD loss: peak memory and speed of the chunked LM-head path, event throughput.
+
+- Peak memory: CE + CSD forward+backward from the last hidden states [P, H] and the LM head
+  [V, H] (float32, CPU), chunked path vs the textbook dense version (log_softmax of the whole
+  [P, V] logits), each in its own process (`loss_peak_worker.py`), as peak RSS above the inputs.
+  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's sizes; the dense process peaks near 9 GB).
+  Check: chunked <= 30% of dense.
+- Speed: CE + CSD vs plain CE, both through the same chunked path, forward+backward, interleaved
+  repeats, best of each. Check: ratio <= 1.5.
+- Events: building the events of the same rows (real llama-bpe / qwen2 alignment of real text,
+  teacher top-k 32) on one CPU core vs the chunked loss step on the same tokens. Check: events
+  take <= 1/3 of the loss step (the data pipeline must outrun the step; the real step also runs
+  the model, so this is conservative).
+
+`python bench/bench_loss.py [--quick]` prints the result as JSON. Quick mode shrinks P and H.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+VOCAB = 128_256
+TOP_K = 32
+
+
+def _aligned_rows(total_tokens: int, quick: bool):
+    """Aligned llama-bpe / qwen2 rows of real text with >= total_tokens student tokens."""
+    from csd_pipeline.events import EventContext
+    from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.tables import build_table
+    from csd_pipeline.vocab import load_tokenizer
+    from tests.csd_cases import aligned_row
+
+    student = load_tokenizer(str(tokenizer_path("llama-bpe")))
+    teacher = load_tokenizer(str(tokenizer_path("qwen2")))
+    context = EventContext(build_table(student, teacher), build_table(teacher, student), student.vocab, teacher.vocab)
+    text = (ROOT / "tests" / "data" / "python-docs-slice.txt").read_text(encoding="utf-8")
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    rows, tokens, i = [], 0, 0
+    while tokens < total_tokens:
+        window = "\n\n".join(paragraphs[i : i + 12])
+        i = (i + 12) % max(1, len(paragraphs) - 12)
+        row = aligned_row(window, student, teacher, f"python-docs-slice:{i}")
+        take = min(len(row["student_ids"]), total_tokens - tokens)
+        if take < len(row["student_ids"]):
+            row = _truncate(row, take)
+        if row is None:
+            break
+        rows.append(row)
+        tokens += len(row["student_ids"])
+    return context, rows
+
+
+def _truncate(row: dict, n_student: int):
+    """The row cut after the last whole chunk that fits in n_student student tokens."""
+    import numpy as np
+
+    m = row["teacher0_chunk_student_len"].astype(np.int64)
+    n = row["teacher0_chunk_teacher_len"].astype(np.int64)
+    keep = int(np.searchsorted(np.cumsum(m), n_student, side="right"))
+    if keep == 0:
+        return None
+    s_len, t_len = int(m[:keep].sum()), int(n[:keep].sum())
+    out = dict(row)
+    out["student_ids"] = row["student_ids"][:s_len]
+    out["student_loss_mask"] = row["student_loss_mask"][:s_len]
+    out["teacher0_ids"] = row["teacher0_ids"][:t_len]
+    for key in ("teacher0_chunk_student_len", "teacher0_chunk_teacher_len", "teacher0_chunk_status"):
+        out[key] = row[key][:keep]
+    return out
+
+
+def _synthetic_topk(row: dict, rng, vocab: int) -> dict:
+    """A teacher top-k row shaped like the teacher-logits stage's (random but plausible values)."""
+    import numpy as np
+
+    t = len(row["teacher0_ids"])
+    ids = rng.integers(0, vocab, size=(t, TOP_K))
+    # The observed next token is in the top-k at most positions, as with a real teacher.
+    hit = rng.random(t - 1) < 0.8
+    ids[:-1][hit, 0] = row["teacher0_ids"][1:][hit]
+    logprobs = np.sort(rng.normal(-6, 2, size=(t, TOP_K)), axis=1)[:, ::-1].copy()
+    logprobs[:, 0] = -rng.random(t)
+    observed = np.full(t, np.nan)
+    observed[:-1] = np.where(hit, logprobs[:-1, 0], rng.normal(-9, 2, size=t - 1))
+    return {"row_id": row["row_id"], "ids": ids.astype(np.int32), "logprobs": logprobs.astype(np.float32),
+            "observed_logprob": observed.astype(np.float32)}
+
+
+def _build_events(positions: int, quick: bool) -> tuple[dict, dict]:
+    import numpy as np
+
+    from csd_pipeline.events import build_row_events, ce_targets, collate_events
+
+    context, rows = _aligned_rows(positions, quick)
+    rng = np.random.default_rng(0)
+    teachers = [_synthetic_topk(r, rng, context.teacher_vocab.size) for r in rows]
+    start = time.process_time()
+    events = [build_row_events(r, 0, t, context) for r, t in zip(rows, teachers)]
+    offsets = np.cumsum([0] + [len(r["student_ids"]) for r in rows])[:-1]
+    batch = collate_events(events, offsets)
+    ce_pos, ce_tok = ce_targets([r["student_ids"] for r in rows], [r["student_loss_mask"] for r in rows], offsets)
+    events_cpu_s = time.process_time() - start
+    tokens = int(sum(len(r["student_ids"]) for r in rows))
+    arrays = {
+        "ce_positions": ce_pos, "ce_tokens": ce_tok, "chain_pos": batch.chain_pos, "chain_tok": batch.chain_tok,
+        "chain_chunk": batch.chain_chunk, "final_pos": batch.final_pos, "final_tok": batch.final_tok,
+        "final_event": batch.final_event, "event_chunk": batch.event_chunk,
+        "event_teacher_logq": batch.event_teacher_logq, "chunk_shape": batch.chunk_shape,
+    }
+    info = {
+        "tokens": tokens,
+        "chunks": batch.num_chunks,
+        "events": batch.num_events,
+        "gathers": int(len(ce_pos) + len(batch.chain_pos) + len(batch.final_pos)),
+        "events_cpu_s": events_cpu_s,
+        "shape_counts": batch.shape_counts(),
+    }
+    return arrays, info
+
+
+def _worker(variant: str, events_path: str, positions: int, hidden: int, repeats: int = 1) -> dict:
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "loss_peak_worker.py"), "--variant", variant, "--events", events_path,
+        "--positions", str(positions), "--vocab", str(VOCAB), "--hidden", str(hidden), "--repeats", str(repeats),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        raise RuntimeError(f"{variant} worker failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(quick: bool = False) -> dict:
+    """Measure; return {"name", "metrics", "checks"} (see the module docstring)."""
+    import numpy as np
+
+    mem_positions, mem_hidden = (2048, 256) if quick else (4096, 2048)
+    speed_positions, speed_hidden = (256, 256) if quick else (1024, 512)
+    metrics: dict = {"vocab": VOCAB, "memory_positions": mem_positions, "memory_hidden": mem_hidden,
+                     "speed_positions": speed_positions, "speed_hidden": speed_hidden, "top_k": TOP_K}
+    with tempfile.TemporaryDirectory(prefix="bench-loss-") as tmp:
+        # Tokenizers and tables live in a child process, so this one stays small while workers run.
+        mem_path = str(Path(tmp) / "events-mem.npz")
+        done = subprocess.run(
+            [sys.executable, __file__, "--build-events", mem_path, str(mem_positions)],
+            capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"building the events failed: {done.stderr.strip().splitlines()[-1:]}")
+        info = json.loads(done.stdout.strip().splitlines()[-1])
+        mem_tokens = info["tokens"]
+        with np.load(mem_path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+        speed_arrays, _ = _cut_events(arrays, speed_positions)
+        speed_path = str(Path(tmp) / "events-speed.npz")
+        np.savez(speed_path, **speed_arrays)
+
+        chunked = _worker("chunked", mem_path, mem_tokens, mem_hidden)
+        naive = _worker("naive", mem_path, mem_tokens, mem_hidden)
+        ce_best, csd_best = [], []
+        for _ in range(2 if quick else 3):  # interleaved, so both see the same machine load
+            ce_best += _worker("ce", speed_path, speed_positions, speed_hidden, repeats=2)["seconds"]
+            csd_best += _worker("chunked", speed_path, speed_positions, speed_hidden, repeats=2)["seconds"]
+    mib = 1 << 20
+    memory_ratio = chunked["peak_above_inputs_bytes"] / naive["peak_above_inputs_bytes"]
+    speed_ratio = min(csd_best) / min(ce_best)
+    step_s = min(chunked["seconds"])
+    events_share = info["events_cpu_s"] / step_s
+    metrics.update(
+        tokens=mem_tokens,
+        chunks=info["chunks"],
+        events=info["events"],
+        events_per_chunk=info["events"] / max(1, info["chunks"]),
+        gathers=info["gathers"],
+        chunks_by_shape=dict(zip(("1:1", "1:N", "M:1", "M:N"), info["shape_counts"])),
+        inputs_mib=chunked["inputs_bytes"] / mib,
+        chunked_peak_above_inputs_mib=chunked["peak_above_inputs_bytes"] / mib,
+        naive_peak_above_inputs_mib=naive["peak_above_inputs_bytes"] / mib,
+        chunked_fwd_bwd_s=step_s,
+        naive_fwd_bwd_s=min(naive["seconds"]),
+        ce_only_fwd_bwd_s=min(ce_best),
+        ce_plus_csd_fwd_bwd_s=min(csd_best),
+        events_build_cpu_s=info["events_cpu_s"],
+        events_tokens_per_s=mem_tokens / max(info["events_cpu_s"], 1e-9),
+        loss_chunked_vs_naive=abs(chunked["loss"] - naive["loss"]),
+    )
+    checks = {
+        "peak_memory_chunked_over_naive": {"value": memory_ratio, "limit": 0.30, "ok": memory_ratio <= 0.30},
+        "fwd_bwd_ce_csd_over_ce": {"value": speed_ratio, "limit": 1.5, "ok": speed_ratio <= 1.5},
+        "events_build_over_loss_step": {"value": events_share, "limit": 1 / 3, "ok": events_share <= 1 / 3},
+    }
+    return {"name": "loss", "metrics": metrics, "checks": checks}
+
+
+def _cut_events(arrays: dict, positions: int):
+    """The CE targets and whole chunks whose gathers all lie below `positions`."""
+    import numpy as np
+
+    a = arrays
+    ce = a["ce_positions"] < positions
+    n_chunks = len(a["chunk_shape"])
+    chunk_max = np.full(n_chunks, -1)
+    np.maximum.at(chunk_max, a["chain_chunk"], a["chain_pos"])
+    np.maximum.at(chunk_max, a["event_chunk"][a["final_event"]], a["final_pos"])
+    keep_chunks = np.flatnonzero(chunk_max < positions)
+    new_chunk = np.full(n_chunks, -1)
+    new_chunk[keep_chunks] = np.arange(len(keep_chunks))
+    keep_events = np.flatnonzero(new_chunk[a["event_chunk"]] >= 0)
+    new_event = np.full(len(a["event_chunk"]), -1)
+    new_event[keep_events] = np.arange(len(keep_events))
+    chain = new_chunk[a["chain_chunk"]] >= 0
+    final = new_event[a["final_event"]] >= 0
+    out = {
+        "ce_positions": a["ce_positions"][ce], "ce_tokens": a["ce_tokens"][ce],
+        "chain_pos": a["chain_pos"][chain], "chain_tok": a["chain_tok"][chain],
+        "chain_chunk": new_chunk[a["chain_chunk"][chain]],
+        "final_pos": a["final_pos"][final], "final_tok": a["final_tok"][final],
+        "final_event": new_event[a["final_event"][final]],
+        "event_chunk": new_chunk[a["event_chunk"][keep_events]],
+        "event_teacher_logq": a["event_teacher_logq"][keep_events],
+        "chunk_shape": a["chunk_shape"][keep_chunks],
+    }
+    return out, len(keep_chunks)
+
+
+def _build_events_main(path: str, positions: int) -> None:
+    import numpy as np
+
+    arrays, info = _build_events(positions, quick=False)
+    np.savez(path, **arrays)
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--build-events":
+        _build_events_main(sys.argv[2], int(sys.argv[3]))
+    else:
+        print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=float))

@@ -1,0 +1,103 @@
+"""One loss forward+backward in its own process, reporting peak RSS above the inputs (bench_loss).
+
+    python bench/loss_peak_worker.py --variant chunked|naive|ce --events EVENTS.npz \
+        --positions P --vocab V --hidden H [--chunk-size C] [--repeats R]
+
+The inputs (last hidden states [P, H] and LM head [V, H], float32, requiring grad) are created
+first; the baseline is the peak RSS right after that. Prints one JSON object: variant, peak RSS
+above the inputs (bytes), and the wall time of each forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def load_events(path: str):
+    """(ce_positions, ce_tokens, BatchEvents) from an .npz written by bench_loss (no pickle)."""
+    import numpy as np
+
+    from csd_pipeline.events import BatchEvents
+
+    data = np.load(path, allow_pickle=False)
+    fields = [
+        "chain_pos", "chain_tok", "chain_chunk", "final_pos", "final_tok", "final_event",
+        "event_chunk", "event_teacher_logq", "chunk_shape",
+    ]
+    events = BatchEvents(**{f: data[f] for f in fields}, stats={})
+    return data["ce_positions"], data["ce_tokens"], events
+
+
+def naive_loss(hidden, weight, ce_pos, ce_tok, events):
+    """The textbook dense version: log_softmax over the whole [P, V] logits, then gather."""
+    import torch
+
+    from csd_pipeline.loss import combine_losses, csd_divergence
+
+    logp = torch.log_softmax(hidden @ weight.T, dim=-1)
+    ce_sum = -logp[torch.as_tensor(ce_pos), torch.as_tensor(ce_tok)].sum()
+    term = csd_divergence(logp[events.chain_pos, events.chain_tok], logp[events.final_pos, events.final_tok], events)
+    return combine_losses(ce_sum, len(ce_pos), [term])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", choices=["chunked", "naive", "ce"], required=True)
+    parser.add_argument("--events", required=True)
+    parser.add_argument("--positions", type=int, required=True)
+    parser.add_argument("--vocab", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from csd_pipeline.loss import csd_loss
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ce_pos, ce_tok, events = load_events(args.events)
+    teachers = [] if args.variant == "ce" else [events.to("cpu", float_dtype=torch.float32)]
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(args.positions, args.hidden, generator=g) * 0.05).requires_grad_(True)
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) * 0.05).requires_grad_(True)
+    baseline = _peak_rss_bytes()
+    times = []
+    for _ in range(args.repeats):
+        hidden.grad = weight.grad = None
+        start = time.perf_counter()
+        if args.variant == "naive":
+            out = naive_loss(hidden, weight, ce_pos, ce_tok, teachers[0])
+        else:
+            out = csd_loss(
+                hidden=hidden, weight=weight, ce_positions=ce_pos, ce_tokens=ce_tok, teachers=teachers,
+                chunk_size=args.chunk_size,
+            )
+        out.loss.backward()
+        times.append(time.perf_counter() - start)
+        loss = float(out.loss.detach())
+    print(json.dumps({
+        "variant": args.variant,
+        "peak_above_inputs_bytes": _peak_rss_bytes() - baseline,
+        "inputs_bytes": (hidden.numel() + weight.numel()) * 4,
+        "seconds": times,
+        "loss": loss,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
