@@ -65,7 +65,7 @@ def _sha256_file(path: Path) -> str:
 
 
 def _find_key(manifest: dict, *paths: tuple[str, ...]):
-    """The first value found along one of the key paths (manifest layouts of the stages)."""
+    """The value at the first of the key paths present in `manifest` (None when none is)."""
     for path in paths:
         node = manifest
         for key in path:
@@ -120,9 +120,9 @@ class TrainingData:
 
         tokenizer_source = student_tokenizer_source(config)
         bundle = load_tokenizer(tokenizer_source, trust_remote_code=config.trust_remote_code)
-        recorded = _find_key(manifest, ("tokenizers", "student", "fingerprint"), ("student", "fingerprint"))
+        recorded = _find_key(manifest, ("tokenizers", "student", "fingerprint"))
         require_fingerprint(manifest, aligned_dir, "student tokenizer", recorded, bundle.vocab.fingerprint)
-        num_teachers = int(_find_key(manifest, ("num_teachers",)) or len(_find_key(manifest, ("tokenizers", "teachers")) or []))
+        num_teachers = len(_find_key(manifest, ("tokenizers", "teachers")) or [])
         total = sum(int(s["rows"]) for s in manifest["shards"])
         if total == 0:
             raise CsdError(f"aligned directory {aligned_dir} holds no rows; align a non-empty corpus with `{ALIGN_RERUN}`")
@@ -178,10 +178,9 @@ class TrainingData:
         """(student->teacher, teacher->student) table paths of each active teacher, from the aligned manifest."""
         out = []
         for teacher in self.teachers:
-            entry = _find_key(self.manifest, ("tables", str(teacher.index)), ("tables", f"teacher{teacher.index}"))
-            if entry is None and isinstance(self.manifest.get("tables"), list):
-                entry = self.manifest["tables"][teacher.index]
-            if not isinstance(entry, dict):
+            tables = self.manifest.get("tables")
+            entry = tables[teacher.index] if isinstance(tables, list) and teacher.index < len(tables) else None
+            if not isinstance(entry, dict) or "student_to_teacher" not in entry:
                 raise CsdError(f"aligned manifest of {self.aligned_dir} lists no tables for teacher {teacher.index}; "
                                f"re-run `{ALIGN_RERUN}`")
             s2t = self.aligned_dir / entry["student_to_teacher"]
@@ -198,8 +197,7 @@ def _open_teacher(directory: Path, aligned_dir: Path, aligned_manifest: dict) ->
     from csd_pipeline.manifest import read_manifest, verify_shards
 
     manifest = read_manifest(directory, stage="teacher-logits")
-    recorded = _find_key(manifest, ("aligned", "manifest_sha256"), ("inputs", "aligned", "manifest_sha256"),
-                         ("aligned_manifest_sha256",))
+    recorded = _find_key(manifest, ("aligned", "manifest_sha256"))
     actual = _sha256_file(aligned_dir / "manifest.json")
     if recorded != actual:
         raise CsdError(
@@ -215,7 +213,7 @@ def _open_teacher(directory: Path, aligned_dir: Path, aligned_manifest: dict) ->
     problems = verify_shards(manifest, directory)
     if problems:
         raise CsdError(f"teacher top-k directory {directory}: {problems[0]}; re-run `{TEACHER_RERUN}` into it")
-    index = _find_key(manifest, ("config", "teacher_index"), ("teacher_index",))
+    index = _find_key(manifest, ("config", "teacher_index"))
     return directory, manifest, int(index or 0)
 
 

@@ -54,6 +54,9 @@ def _eval_rows(aligned_dir: Path, side, max_rows: int, fingerprint: str | None):
     from schemas.aligned import SCHEMA_VERSION, STAGE
 
     manifest = read_manifest(aligned_dir, stage=STAGE, schema_versions=[SCHEMA_VERSION])
+    if manifest.get("config", {}).get("mode", "text") != "text":
+        raise CsdError(f"{aligned_dir} was aligned in {manifest['config']['mode']} mode; bits per byte scores "
+                       "whole texts: pass a held-out directory aligned with `csd-pipeline align --mode text`")
     if not manifest.get("config", {}).get("context_token", True):
         raise CsdError(f"{aligned_dir} was aligned with --no-context-token: its first token has no predictor, "
                        "so bits per byte would leave bytes unscored; re-run `csd-pipeline align` with context tokens")
