@@ -98,3 +98,23 @@ def test_csd_resume_with_worker_processes_matches_the_in_process_run(trainer_dat
     train(parse_args(args(trainer_data, trainer_teacher, output, "--workers", "2", "--resume")))
     keys = ("step", "loss", "ce", "kd", "lr", "grad_norm", "chunks_1to1", "chunks_1toN", "chunks_Mto1", "chunks_MtoN")
     assert [{k: r[k] for k in keys} for r in metrics(output)] == [{k: r[k] for k in keys} for r in metrics(csd_run)]
+
+
+@pytest.mark.slow
+def test_two_teachers_are_weighted_and_counted_apart(trainer_data, trainer_teacher, csd_run, tmp_path):
+    # teacher 1 of train_short uses the same tokenizer as teacher 0, so its top-k is the same file content;
+    # only the index recorded in the manifest differs
+    second = tmp_path / "topk1"
+    shutil.copytree(trainer_teacher, second)
+    manifest = json.loads((second / "manifest.json").read_text())
+    manifest["config"]["teacher_index"] = 1
+    (second / "manifest.json").write_text(json.dumps(manifest))
+    output = tmp_path / "run"
+    train(parse_args(args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
+                          "--kd-teachers", "0:1.0,1:0.5", "--steps", "1")))
+    row, single = metrics(output)[0], metrics(csd_run)[0]
+    assert row["teacher0_chunks"] == row["teacher1_chunks"] == single["chunks_1to1"] + single["chunks_1toN"] + \
+        single["chunks_Mto1"] + single["chunks_MtoN"]
+    assert row["teacher1_kd"] == pytest.approx(row["teacher0_kd"], rel=1e-12)
+    assert row["kd"] == pytest.approx(1.5 * single["kd"], rel=1e-6)  # KD = 1.0 KD_0 + 0.5 KD_1
+    assert row["ce"] == single["ce"] and row["chunks_1to1"] == 2 * single["chunks_1to1"]

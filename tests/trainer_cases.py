@@ -16,19 +16,21 @@ STUDENT_CONFIG = {
 }
 
 
-def align(corpus: list[Path], output: Path, max_student_tokens: int = 128) -> Path:
-    """Run the align stage (llama-spm student, smollm2 teacher) into `output`."""
+def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1) -> Path:
+    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`."""
     from csd_pipeline.align_stage import AlignConfig, run_align
 
     run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
-                          teacher_tokenizers=["smollm2"], output=str(output), max_student_tokens=max_student_tokens,
+                          teacher_tokenizers=["smollm2"] * teachers, output=str(output),
+                          max_student_tokens=max_student_tokens,
                           split_on_blank_lines=True, shard_bytes=2000))
     return output
 
 
 def make_trainer_data(root: Path) -> dict:
     """{"train", "eval"}: aligned dirs of the botchan / devil slices (windows <= 128 student tokens);
-    "train_short": the first 2500 characters of the botchan slice; "student_config": a 2-layer, 64-wide Llama config JSON with the llama-spm vocabulary."""
+    "train_short": the first 2500 characters of the botchan slice, aligned for two teachers with the
+    same (smollm2) tokenizer; "student_config": a 2-layer, 64-wide Llama config JSON with the llama-spm vocabulary."""
     from csd_pipeline.fixtures import tokenizer_path
 
     tokenizer_path("llama-spm")  # fails with `make fixtures` advice when the cache is missing
@@ -37,7 +39,7 @@ def make_trainer_data(root: Path) -> dict:
     # a shorter text for the runs that need the real teacher's top-k (the teacher is the slow part)
     short = root / "botchan-short.txt"
     short.write_text((DATA / "botchan-slice.txt").read_text(encoding="utf-8")[:2500], encoding="utf-8")
-    out["train_short"] = align([short], root / "train-short")
+    out["train_short"] = align([short], root / "train-short", teachers=2)
     out["student_config"] = root / "student.json"
     out["student_config"].write_text(json.dumps(STUDENT_CONFIG))
     return out
