@@ -17,8 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def torchrun(nproc: int, args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    script = Path(sys.executable).parent / "csd-train"
+    # the documented command (`torchrun ... --no-python csd-train`) when the package is installed
+    entry = ["--no-python", str(script)] if script.is_file() else ["-m", "trainer.main"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "trainer.main", *args]
+               *entry, *args]
     # its own session, so that a hang can be stopped with every rank it started
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
