@@ -16,7 +16,10 @@ def main(argv: list[str] | None = None) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
+        try:
+            print(help_text())
+        except BrokenPipeError:  # `csd-train --help | head`
+            sys.stdout = None
         return
     try:
         config = parse_args(argv)
