@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPICS = ("tables", "align", "teacher", "loss", "train")
+TOPICS = ("tables", "align", "chat", "teacher", "loss", "train")
 
 
 def main(argv: list[str]) -> int:
