@@ -72,8 +72,9 @@ def main(argv=None) -> int:
     ce_pos, ce_tok, events = load_events(args.events)
     teachers = [] if args.variant == "ce" else [events.to("cpu", float_dtype=torch.float32)]
     g = torch.Generator().manual_seed(0)
-    hidden = (torch.randn(args.positions, args.hidden, generator=g) * 0.05).requires_grad_(True)
-    weight = (torch.randn(args.vocab, args.hidden, generator=g) * 0.05).requires_grad_(True)
+    # In place, so that creating the inputs leaves no temporary in the baseline peak.
+    hidden = torch.randn(args.positions, args.hidden, generator=g).mul_(0.05).requires_grad_(True)
+    weight = torch.randn(args.vocab, args.hidden, generator=g).mul_(0.05).requires_grad_(True)
     baseline = _peak_rss_bytes()
     times = []
     for _ in range(args.repeats):
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
         loss = float(out.loss.detach())
     print(json.dumps({
         "variant": args.variant,
+        "baseline_rss_bytes": baseline,
         "peak_above_inputs_bytes": _peak_rss_bytes() - baseline,
         "inputs_bytes": (hidden.numel() + weight.numel()) * 4,
         "seconds": times,

@@ -282,6 +282,10 @@ def build_row_events(
                 f"{where}: a {side} id ({int(ids.max())}) is outside the {side} vocabulary {vocab.name} "
                 f"({vocab.size} ids); the tables do not match the tokenizers of the data, re-run align."
             )
+    teacher_status = teacher.get("status", 0) if isinstance(teacher, dict) else getattr(teacher, "status", 0)
+    if teacher_status:
+        # A row the teacher-logits stage rejected (non-finite log-probs): CE only, no KD events.
+        return empty_events({"rows_teacher_rejected": 1})
     topk_ids, teacher_lp, observed = _teacher_arrays(teacher, len(teacher_ids), row_id)
     dense = topk_ids is None
     if dense:

@@ -101,15 +101,40 @@ def bundle(tokenizer_path, name: str):
     return _BUNDLES[name]
 
 
+def cached_table(source, destination):
+    """The (source -> destination) table, cached next to the fixtures (the align tests' scheme:
+    keyed by both fingerprints and the source of the modules that build tables)."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    import csd_pipeline.tables
+    import csd_pipeline.vocab
+    from csd_pipeline.fixtures import fixture_dir
+    from csd_pipeline.tables import build_table, load_table
+
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.tables, csd_pipeline.vocab)))
+    folder = fixture_dir() / "test-cache" / "tables"
+    folder.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
+    path = folder / f"{key.hexdigest()[:24]}.safetensors"
+    if not path.is_file():
+        table = build_table(source, destination)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        table.save(tmp)
+        os.replace(tmp, path)
+        return table
+    return load_table(path)
+
+
 def event_context(tokenizer_path, student: str, teacher: str):
-    """(student bundle, teacher bundle, EventContext) with both tables built once per session."""
+    """(student bundle, teacher bundle, EventContext) with both tables loaded once per session."""
     from csd_pipeline.events import EventContext
-    from csd_pipeline.tables import build_table
 
     key = (student, teacher)
     if key not in _CONTEXTS:
         s, t = bundle(tokenizer_path, student), bundle(tokenizer_path, teacher)
-        _CONTEXTS[key] = (s, t, EventContext(build_table(s, t), build_table(t, s), s.vocab, t.vocab))
+        _CONTEXTS[key] = (s, t, EventContext(cached_table(s, t), cached_table(t, s), s.vocab, t.vocab))
     return _CONTEXTS[key]
 
 

@@ -235,6 +235,11 @@ def test_teacher_shards_of_another_alignment_are_refused(spm):
     short = {k: (v[:-1] if k != "row_id" else v) for k, v in short.items()}
     with pytest.raises(CsdError, match="teacher-logits"):
         build_row_events(rows[0], 0, short, ctx)
+    # A row the teacher-logits stage rejected (status NON_FINITE, empty arrays): no KD events.
+    rejected = {"row_id": rows[0]["row_id"], "ids": np.zeros((0, K)), "logprobs": np.zeros((0, K)),
+                "observed_logprob": np.zeros(0), "status": 1}
+    ev = build_row_events(rows[0], 0, rejected, ctx)
+    assert ev.num_chunks == 0 and ev.stats["rows_teacher_rejected"] == 1
     nan = topk_from_dense(rows[0], dense[0], K)
     s0, t0, m, n = _first_chunk_of_shape(rows[0], lambda m, n: n > 1)
     nan["observed_logprob"][t0 - 1] = np.nan
