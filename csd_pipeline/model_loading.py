@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,8 @@ DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 CONFIG_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 HASH_CACHE_ENV = "CSD_HASH_CACHE"
+# A hub repository id: "name" or "owner/name" (anything else that does not exist is a bad path).
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
 
 
 @dataclass
@@ -177,7 +180,7 @@ def resolve_model_source(arg: str, *, trust_remote_code: bool = False) -> tuple[
             return path, ggufs[0]
         raise CsdError(f"model {arg}: the folder has no config.json" + (f" and {len(ggufs)} GGUF files" if ggufs else "")
                        + "; pass a Hugging Face model folder or one GGUF file.")
-    if os.sep in arg or arg.startswith(".") or arg.endswith(".gguf"):
+    if not _HUB_NAME.fullmatch(arg) or arg.endswith(".gguf"):
         raise CsdError(f"model {arg}: no such file or folder; check the path.")
     return _from_hub(arg, trust_remote_code), None
 
@@ -246,7 +249,7 @@ def load_causal_lm(arg: str, *, dtype: str = "auto", device: str = "auto",
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     except ValueError as err:
         message = str(err).splitlines()[0] if str(err) else err.__class__.__name__
-        if "trust_remote_code" in message:
+        if "trust_remote_code" in str(err) or "custom code" in message:
             raise CsdError(f"model {arg} needs code from its repository; pass --trust-remote-code if you trust it.") from None
         raise CsdError(f"model {arg}: transformers cannot load it as a causal LM ({message}).") from None
     except OSError as err:

@@ -5,16 +5,11 @@ log-probabilities under the softmax over the model's whole output, and the log-p
 observed next token (SPEC §6), encoded by `csd_pipeline.topk_codec` into Parquet shards that are
 co-partitioned with the aligned shards (`schemas/teacher_topk.py`).
 
-How the values are computed (`TeacherRunner`):
-- the rows of a block are sorted by length and batched under a token budget (`batch_tokens`),
-  right-padded, with the padding masked; the batches are a pure function of the block's rows;
-- the decoder's last hidden states of the real positions go through the output layer in float32,
-  a chunk of positions at a time (so a bf16 GPU teacher still gets float32 logits and log-softmax,
-  and memory stays bounded); models whose head is not a plain linear layer (or whose logits the
-  fast path does not reproduce, checked once on a probe) fall back to the model's own forward;
-- log-softmax over the whole output; ids at or beyond the tokenizer size (padded rows) are excluded
-  from the top-k after the normalisation;
-- a row with any non-finite log-probability is rejected and counted, and keeps its place.
+The values come from `csd_pipeline.teacher_runner.TeacherRunner` (batching, float32 logits and
+log-softmax over the whole output, top-k). Here: rows are cut into blocks of about
+`block_positions` positions (one Parquet row group each), each block is computed and encoded in
+row order; a row with any non-finite log-probability is rejected and counted (status 1, no values)
+and keeps its place, so the shard stays co-partitioned with its aligned shard.
 
 Ranks (torchrun / SLURM / --rank) take disjoint shards through the shared executor; the rank that
 completes last (or `csd-pipeline status DIR --finalize`) writes the manifest.
@@ -24,16 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.teacher_runner import RowTopk, TeacherRunner
 
 DEFAULT_BLOCK_POSITIONS = 1 << 16
-LOGIT_CHUNK_ELEMENTS = 1 << 25  # float32 logits held at once: 128 MiB
-PROBE_TOKENS = 16
 
 
 @dataclass
@@ -70,197 +66,46 @@ class TeacherLogitsConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# The teacher forward and top-k
-
-
-@dataclass
-class RowTopk:
-    """The teacher's values for one row: ids int32 [T, k], logprobs float32 [T, k] (descending),
-    observed float32 [T] (NaN at the last position); `finite` is False when the row is rejected."""
-
-    ids: np.ndarray
-    logprobs: np.ndarray
-    observed: np.ndarray
-    finite: bool
-
-
-def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
-    """Group row indices into batches: longest first, each batch's rows x longest row <= batch_tokens
-    (a row longer than the budget goes alone). A pure function of (lengths, batch_tokens)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
-    batches: list[list[int]] = []
-    for index in order:
-        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= batch_tokens:
-            batches[-1].append(index)
-        else:
-            batches.append([index])
-    return batches
-
-
-class TeacherRunner:
-    """Computes `RowTopk`s for rows of teacher token ids with a loaded model (`LoadedModel`).
-
-    vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k.
-    """
-
-    def __init__(self, loaded, *, top_k: int, vocab_limit: int, temperature: float = 1.0,
-                 batch_tokens: int = 8192, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
-        import torch
-
-        self.loaded = loaded
-        self.model = loaded.model.eval()
-        self.device = loaded.device
-        self.top_k = top_k
-        self.vocab_limit = vocab_limit
-        self.output_size = loaded.output_size
-        if vocab_limit > self.output_size:
-            raise ValueError("vocab_limit exceeds the model's output size")
-        if top_k > vocab_limit:
-            raise CsdError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_limit}); pass a smaller --top-k.")
-        self.temperature = temperature
-        self.batch_tokens = batch_tokens
-        self.chunk = max(1, logit_chunk_elements // self.output_size)
-        self._head = None
-        self.path = "forward"
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        base = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
-        if isinstance(head, torch.nn.Linear) and base is not None and base is not self.model:
-            self._base = base
-            weight = head.weight.detach()
-            bias = None if head.bias is None else head.bias.detach()
-            # float32 output layer: a bf16 teacher still gets float32 logits (one copy of the head).
-            self._head = (weight.float(), None if bias is None else bias.float())
-            config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
-            self._softcap = getattr(config, "final_logit_softcapping", None)
-            self._scale = getattr(config, "logit_scale", None)
-            self._scaling = getattr(config, "logits_scaling", None)
-            self.path = "hidden+head" if self._probe_matches() else "forward"
-            if self.path == "forward":
-                self._head = None
-
-    # -- logits ----------------------------------------------------------------------------
-
-    def _head_logits(self, hidden):
-        import torch
-
-        weight, bias = self._head
-        logits = torch.nn.functional.linear(hidden.float(), weight, bias)
-        if self._scale not in (None, 1, 1.0):
-            logits = logits * float(self._scale)
-        if self._scaling not in (None, 1, 1.0):
-            logits = logits / float(self._scaling)
-        if self._softcap:
-            logits = torch.tanh(logits / float(self._softcap)) * float(self._softcap)
-        return logits
-
-    def _probe_matches(self) -> bool:
-        """Check once that hidden states + head reproduce the model's own logits on a short probe."""
-        import torch
-
-        ids = torch.arange(min(PROBE_TOKENS, self.vocab_limit), device=self.device)[None, :]
-        with torch.inference_mode():
-            reference = self.model(input_ids=ids, use_cache=False).logits[0].float()
-            hidden = self._base(input_ids=ids, use_cache=False).last_hidden_state[0]
-            mine = self._head_logits(hidden)
-        if mine.shape != reference.shape:
-            return False
-        low_precision = self.loaded.dtype in (torch.bfloat16, torch.float16)
-        tolerance = (2e-2 if low_precision else 1e-3) * (1.0 + reference.abs())
-        return bool(((mine - reference).abs() <= tolerance).all())
-
-    def _batch_tensors(self, rows: list[np.ndarray]):
-        import torch
-
-        width = max(len(r) for r in rows)
-        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            input_ids[b, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
-            mask[b, : len(row)] = 1
-        return input_ids.to(self.device), mask.to(self.device)
-
-    def forward_only(self, rows: list[np.ndarray]):
-        """The model's plain forward on a padded batch (benchmarks compare the stage against it)."""
-        import torch
-
-        input_ids, mask = self._batch_tensors(rows)
-        with torch.inference_mode():
-            return self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
-
-    def _batch_topk(self, rows: list[np.ndarray]) -> list[RowTopk]:
-        import torch
-
-        input_ids, mask = self._batch_tensors(rows)
-        lengths = [len(r) for r in rows]
-        width = input_ids.shape[1]
-        flat = torch.cat([torch.arange(n, device=self.device) + b * width for b, n in enumerate(lengths)])
-        next_ids = torch.from_numpy(np.concatenate(
-            [np.append(np.asarray(r[1:], dtype=np.int64), -1) for r in rows])).to(self.device)
-        with torch.inference_mode():
-            if self._head is not None:
-                states = self._base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
-                states = states.reshape(-1, states.shape[-1])[flat]
-            else:
-                logits_all = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
-                states = logits_all.reshape(-1, logits_all.shape[-1])[flat]
-            ids_out, lp_out, obs_out, ok_out = [], [], [], []
-            for start in range(0, states.shape[0], self.chunk):
-                part = states[start:start + self.chunk]
-                logits = self._head_logits(part) if self._head is not None else part.float()
-                if self.temperature != 1.0:
-                    logits = logits / self.temperature
-                lse = torch.logsumexp(logits, dim=-1)
-                # Normalised over the whole output; padded rows (>= tokenizer size) never in the top-k.
-                candidates = logits if self.vocab_limit == logits.shape[-1] else logits[:, : self.vocab_limit]
-                values, indices = torch.topk(candidates, self.top_k, dim=-1)
-                logprobs = values - lse[:, None]
-                nxt = next_ids[start:start + part.shape[0]]
-                observed = logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse
-                observed = torch.where(nxt >= 0, observed, torch.full_like(observed, float("nan")))
-                ok = torch.isfinite(lse) & torch.isfinite(logprobs).all(dim=1) & (torch.isfinite(observed) | (nxt < 0))
-                ids_out.append(indices.to(torch.int32).cpu())
-                lp_out.append(logprobs.cpu())
-                obs_out.append(observed.cpu())
-                ok_out.append(ok.cpu())
-        ids_all = torch.cat(ids_out).numpy()
-        lp_all = torch.cat(lp_out).numpy()
-        obs_all = torch.cat(obs_out).numpy()
-        ok_all = torch.cat(ok_out).numpy()
-        results, offset = [], 0
-        for n in lengths:
-            part = slice(offset, offset + n)
-            results.append(RowTopk(ids_all[part], lp_all[part], obs_all[part], bool(ok_all[part].all())))
-            offset += n
-        return results
-
-    def _run_batch(self, rows: list[np.ndarray]) -> list[RowTopk]:
-        import torch
-
-        try:
-            return self._batch_topk(rows)
-        except torch.OutOfMemoryError:
-            if self.device.type != "cuda":
-                raise
-            torch.cuda.empty_cache()
-            if len(rows) == 1:
-                raise CsdError(
-                    f"one teacher row of {len(rows[0])} tokens does not fit in GPU memory even alone; align with a "
-                    "smaller --max-teacher-tokens or use a larger GPU."
-                ) from None
-            half = len(rows) // 2  # split and retry: an OOM batch is never fatal
-            return self._run_batch(rows[:half]) + self._run_batch(rows[half:])
-
-    def run(self, rows: list[np.ndarray]) -> list[RowTopk]:
-        """The `RowTopk` of every row (int teacher ids, each non-empty), in the given order."""
-        results: list[RowTopk | None] = [None] * len(rows)
-        for batch in plan_batches([len(r) for r in rows], self.batch_tokens):
-            for index, result in zip(batch, self._run_batch([rows[i] for i in batch])):
-                results[index] = result
-        return results
-
-
-# ---------------------------------------------------------------------------------------------
 # One shard
+
+
+def block_ranges(lengths, block_positions: int) -> list[tuple[int, int]]:
+    """Consecutive row ranges [start, end) of at least `block_positions` positions each (the last may
+    be shorter); every block holds at least one row."""
+    ranges, start = [], 0
+    while start < len(lengths):
+        end, positions = start, 0
+        while end < len(lengths) and (positions < block_positions or end == start):
+            positions += int(lengths[end])
+            end += 1
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int) -> tuple[bytes, dict]:
+    """Encode the kept rows (finite) of one block; returns (payload, stats of the block)."""
+    from csd_pipeline.topk_codec import encode_block
+
+    kept = [(r, row) for r, row in zip(results, rows) if r.finite]
+    if kept:
+        ids = np.concatenate([r.ids for r, _ in kept])
+        logprobs = np.concatenate([r.logprobs for r, _ in kept])
+        observed = np.concatenate([r.observed for r, _ in kept])
+        observed_ids = np.concatenate([np.append(row[1:], -1) for _, row in kept])
+    else:
+        ids, logprobs = np.zeros((0, top_k), np.int64), np.zeros((0, top_k), np.float32)
+        observed, observed_ids = np.zeros(0, np.float32), np.zeros(0, np.int64)
+    payload = encode_block(ids, logprobs, observed_ids, observed)
+    has_next = observed_ids >= 0
+    stats = {
+        "positions": int(sum(len(row) for row in rows)),
+        "rejected": {"non_finite": sum(not r.finite for r in results)},
+        "observed": {"positions": int(has_next.sum()),
+                     "in_top_k": int((ids[has_next] == observed_ids[has_next, None]).any(axis=1).sum())},
+        "payload_bytes": len(payload),
+    }
+    return payload, stats
 
 
 def write_teacher_shard(runner: TeacherRunner, aligned_file: Path, teacher_index: int, tmp_path: Path,
@@ -273,8 +118,8 @@ def write_teacher_shard(runner: TeacherRunner, aligned_file: Path, teacher_index
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from csd_pipeline.executor import ShardResult
-    from csd_pipeline.topk_codec import ENCODING, encode_block
+    from csd_pipeline.executor import ShardResult, merge_stats
+    from csd_pipeline.topk_codec import ENCODING
     from schemas.teacher_topk import RowStatus, teacher_topk_schema
 
     column = f"teacher{teacher_index}_ids"
@@ -299,42 +144,38 @@ def write_teacher_shard(runner: TeacherRunner, aligned_file: Path, teacher_index
     stats = {"positions": 0, "rejected": {"non_finite": 0}, "observed": {"positions": 0, "in_top_k": 0},
              "payload_bytes": 0}
     compression = {"row_id": "zstd", "status": "zstd", "positions": "zstd", "block": "zstd", "payload": "none"}
-    with pq.ParquetWriter(str(tmp_path), schema, compression=compression, use_dictionary=False,
-                          write_statistics=False, store_schema=True) as writer:
-        start, block = 0, 0
-        while start < len(rows):
-            end = start
-            positions = 0
-            while end < len(rows) and (positions < block_positions or end == start):
-                positions += len(rows[end])
-                end += 1
-            results = runner.run(rows[start:end])
-            kept = [(r, row) for r, row in zip(results, rows[start:end]) if r.finite]
-            if kept:
-                ids = np.concatenate([r.ids for r, _ in kept])
-                logprobs = np.concatenate([r.logprobs for r, _ in kept])
-                observed = np.concatenate([r.observed for r, _ in kept])
-                observed_ids = np.concatenate([np.append(row[1:], -1) for _, row in kept])
-            else:
-                ids = np.zeros((0, runner.top_k), np.int64)
-                logprobs = np.zeros((0, runner.top_k), np.float32)
-                observed, observed_ids = np.zeros(0, np.float32), np.zeros(0, np.int64)
-            payload = encode_block(ids, logprobs, observed_ids, observed)
-            has_next = observed_ids >= 0
-            stats["observed"]["positions"] += int(has_next.sum())
-            stats["observed"]["in_top_k"] += int((ids[has_next] == observed_ids[has_next, None]).any(axis=1).sum())
-            stats["positions"] += int(sum(len(r) for r in rows[start:end]))
-            stats["rejected"]["non_finite"] += sum(not r.finite for r in results)
-            stats["payload_bytes"] += len(payload)
-            count = end - start
-            writer.write_table(pa.table({
-                "row_id": pa.array(row_ids[start:end], pa.string()),
-                "status": pa.array([RowStatus.OK if r.finite else RowStatus.NON_FINITE for r in results], pa.uint8()),
-                "positions": pa.array([len(r) for r in rows[start:end]], pa.int32()),
-                "block": pa.array([block] * count, pa.int32()),
-                "payload": pa.array([payload] + [None] * (count - 1), pa.binary()),
-            }, schema=schema), row_group_size=max(count, 1))
-            start, block = end, block + 1
+    # On a GPU the CPU would otherwise idle the accelerator while it encodes: encode blocks in threads
+    # (LZMA releases the GIL) while the next block runs. On CPU the forward already uses every core.
+    threads = 0 if runner.device.type == "cpu" else min(4, os.cpu_count() or 1)
+    pool = ThreadPoolExecutor(threads) if threads else None
+    pending: deque = deque()
+
+    def write(block: int, start: int, end: int, results, encoded) -> None:
+        payload, part = encoded.result() if pool else encoded
+        merge_stats(stats, part)
+        count = end - start
+        writer.write_table(pa.table({
+            "row_id": pa.array(row_ids[start:end], pa.string()),
+            "status": pa.array([RowStatus.OK if r.finite else RowStatus.NON_FINITE for r in results], pa.uint8()),
+            "positions": pa.array([len(r) for r in rows[start:end]], pa.int32()),
+            "block": pa.array([block] * count, pa.int32()),
+            "payload": pa.array([payload] + [None] * (count - 1), pa.binary()),
+        }, schema=schema), row_group_size=count)
+
+    try:
+        with pq.ParquetWriter(str(tmp_path), schema, compression=compression, use_dictionary=False,
+                              write_statistics=False, store_schema=True) as writer:
+            for block, (start, end) in enumerate(block_ranges([len(r) for r in rows], block_positions)):
+                results = runner.run(rows[start:end])
+                job = (encode_rows, results, rows[start:end], runner.top_k)
+                pending.append((block, start, end, results, pool.submit(*job) if pool else job[0](*job[1:])))
+                while len(pending) > threads:  # blocks are written in order; at most `threads` in flight
+                    write(*pending.popleft())
+            while pending:
+                write(*pending.popleft())
+    finally:
+        if pool:
+            pool.shutdown(cancel_futures=True)
     return ShardResult(rows=len(rows), stats=stats)
 
 
@@ -366,8 +207,13 @@ def make_shard_processor(config: dict):
     aligned = Path(config["aligned"])
 
     def process(task, tmp_path: Path):
-        return write_teacher_shard(runner, aligned / task.spec["aligned_file"], config["teacher_index"], tmp_path,
-                                   config["block_positions"])
+        from csd_pipeline.executor import file_sha256
+
+        source = aligned / task.spec["aligned_file"]
+        if not source.is_file() or file_sha256(source) != task.spec["aligned_sha256"]:
+            raise CsdError(f"aligned shard {source} is missing or differs from what its manifest records; re-run "
+                           "csd-pipeline align, then teacher-logits into a new --output.")
+        return write_teacher_shard(runner, source, config["teacher_index"], tmp_path, config["block_positions"])
 
     return process
 
@@ -544,6 +390,7 @@ def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, 
                            "teacher_tokenizer": record.get("name")}},
     )
     try:
-        return run_stage(run, rank=rank, world_size=world_size, workers=workers, log=log)
+        return run_stage(run, rank=rank, world_size=world_size, workers=workers,
+                         log=log if log is not None else (lambda message: None))
     finally:
         _RUNNERS.pop(runner_key, None)  # do not keep a teacher in memory after the stage

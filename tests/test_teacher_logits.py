@@ -35,8 +35,9 @@ assert TOLERANCE < 0.01
 
 @pytest.fixture(scope="module", autouse=True)
 def _quiet_machine(tmp_path_factory):
-    """Model-file hashes cached in a temporary folder; one torch thread for the tiny teacher (its matmuls
-    are too small to share between threads, and on a busy machine two threads wait on each other)."""
+    """Model-file hashes cached in a temporary folder; one torch thread (the tiny teacher's matmuls are
+    too small to share, and on a busy shared machine two OpenMP threads mostly wait on each other:
+    SmolLM2 ran 3x faster on one thread there)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -194,7 +195,7 @@ def test_tiny_teacher_matches_float64_reference(aligned, tiny_teacher, tiny_outp
 def test_rows_are_batched_with_padding_and_match_unbatched(aligned, tiny_teacher):
     """The runner's batched values equal a forward of each row alone (float32, before encoding)."""
     from csd_pipeline.model_loading import load_causal_lm
-    from csd_pipeline.teacher_logits import TeacherRunner, plan_batches
+    from csd_pipeline.teacher_runner import TeacherRunner, plan_batches
 
     rows = [ids for _, _, ids in aligned_rows(aligned)]
     batches = plan_batches([len(r) for r in rows], 512)
@@ -209,6 +210,45 @@ def test_rows_are_batched_with_padding_and_match_unbatched(aligned, tiny_teacher
         same = a.ids == b.ids
         # An id may differ only where two entries are tied to float noise.
         assert np.all(same | (np.abs(a.logprobs - b.logprobs) < 1e-4))
+
+
+def make_tiny_gemma2(folder: Path, tokenizer_dir: Path) -> Path:
+    """A random Gemma 2 (final-logit soft-capping, scaled embeddings) with the padded SmolLM2 vocabulary."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Gemma2Config(vocab_size=VOCAB + PADDED, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=5.0,
+                          max_position_embeddings=512, tie_word_embeddings=False)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # logits well beyond the cap, so the cap changes them
+    model.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["model-forward-fallback", "gemma2-softcap-head"])
+def test_runner_logit_paths_match_float64(kind, aligned, tiny_teacher, tokenizer_path, tmp_path, monkeypatch):
+    """Both ways to get logits (hidden states + float32 head, or the model's own forward) are exact."""
+    from types import SimpleNamespace
+
+    from csd_pipeline.model_loading import load_causal_lm
+    from csd_pipeline.teacher_runner import TeacherRunner
+
+    rows = [ids for _, _, ids in aligned_rows(aligned)][:5]
+    if kind == "model-forward-fallback":
+        folder, expected_path = tiny_teacher, "forward"
+        monkeypatch.setattr(TeacherRunner, "_probe_matches", lambda self: False)
+    else:
+        folder, expected_path = make_tiny_gemma2(tmp_path / "gemma2", tokenizer_path("smollm2")), "hidden+head"
+    runner = TeacherRunner(load_causal_lm(str(folder), device="cpu"), top_k=K, vocab_limit=VOCAB, batch_tokens=512)
+    assert runner.path == expected_path  # the soft-capped head reproduces Gemma 2's own logits on the probe
+    for result, ids in zip(runner.run(rows), rows):
+        row = SimpleNamespace(ids=result.ids, logprobs=result.logprobs, observed_logprob=result.observed)
+        check_row_against_reference(row, ids, float64_reference(folder, ids), K)
 
 
 def test_temperature_divides_the_logits(aligned, tiny_teacher, tmp_path):
@@ -336,6 +376,24 @@ def test_ranks_split_shards_and_last_writes_manifest(aligned, tiny_teacher, tiny
     assert produced == expected
 
 
+def test_torchrun_cpu_processes_give_the_same_output(aligned, tiny_teacher, tiny_output, tmp_path):
+    """`torchrun --nproc-per-node 2` on CPU: disjoint shards per rank, one manifest, the same bytes."""
+    out = tmp_path / "out"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "cli.main",
+                             *cli_args(aligned, tiny_teacher, out)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = sorted(p.name for p in (out / "stats").iterdir())
+    assert stats == ["rank-00000.json", "rank-00001.json"]
+    shards = [json.loads((out / "stats" / name).read_text())["shards"] for name in stats]
+    assert shards == [["part-00000-00000", "part-00000-00002"], ["part-00000-00001"]]
+    produced = {k: v for k, v in output_bytes(out).items() if not k.startswith("stats/")}
+    expected = {k: v for k, v in output_bytes(tiny_output).items() if not k.startswith("stats/")}
+    assert produced == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input: one sentence on stderr, exit 2, no traceback (through the CLI's own error handling)
 
@@ -389,6 +447,12 @@ def test_cli_refuses_bad_inputs(aligned, tiny_teacher, tokenizer_path, tmp_path,
     _assert_one_line_error(attempt(aligned, tiny_teacher, tmp_path / "o5", "--teacher-index", "3"), "--teacher-index 3")
     _assert_one_line_error(attempt(aligned, tmp_path / "missing-model", tmp_path / "o6"), "no such file or folder")
 
+    tampered = tmp_path / "tampered"
+    shutil.copytree(aligned, tampered)
+    with (tampered / "part-00000-00001.parquet").open("ab") as handle:
+        handle.write(b"x")
+    _assert_one_line_error(attempt(tampered, tiny_teacher, tmp_path / "o8"), "differs from what its manifest records")
+
     # Without --quiet, progress lines come first; the error is still one line, last, without a traceback.
     code, stderr = run_cli_captured(cli_args(aligned, small, tmp_path / "o7"), capsys)
     assert code == 2 and stderr.splitlines()[-1].startswith("error: ") and "Traceback" not in stderr
@@ -399,11 +463,9 @@ def test_cli_refuses_bad_inputs(aligned, tiny_teacher, tokenizer_path, tmp_path,
 
 
 @pytest.mark.slow
-def test_real_smollm2_reproduces_its_own_loss(aligned, model_path, tmp_path, _quiet_machine):
+def test_real_smollm2_reproduces_its_own_loss(aligned, model_path, tmp_path):
     """Mean stored observed log-prob == the model's own cross-entropy on the same rows (~670 tokens)."""
     import torch
-
-    torch.set_num_threads(_quiet_machine)  # a real model: use every thread
     from transformers import AutoModelForCausalLM
 
     from csd_pipeline import read_teacher_topk

@@ -1,0 +1,350 @@
+"""Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher (issue 4, §3, §6).
+
+Corpus: six kinds of real text from /work/shared/corpus (Bible, Python docs, stdlib code, the
+Jargon File, a novel, Django translations), about 16 KB each (2 KB in quick mode), aligned by the
+real align stage (gpt-2 student, SmolLM2 teacher, 1024-token windows); one source per shard, so
+the bytes per position are also reported per kind of text. Without /work/shared the committed
+slices in tests/data are used (fewer positions; the numbers are then only indicative).
+
+Measured in one process, shard by shard:
+- B, the stage on that shard: read the aligned shard, batch, forward, float32 log-softmax and
+  top-k, encode, write the Parquet file (wall time);
+- F, inside B: the time of the teacher's forward itself (decoder, then the float32 output layer on
+  the real positions), clocked around those calls by the runner. overhead = (B - F) / B must be
+  <= 10%. Both sides are measured in the same seconds of the same run, so a busy shared machine
+  cannot favour one of them;
+- for reference, separate forward-only passes over exactly the stage's batches, alternating the
+  order per shard: the runner's own forward path (decoder + float32 head on real positions), and
+  the model's plain `model(input_ids, attention_mask).logits` (which also computes padded positions).
+  On a busy machine these separate passes drift by more than the overhead itself.
+Also: positions/s of the stage, bytes per position (the shard files, and the encoded payloads
+alone, per kind of text), peak RSS while the stage runs, and the decoding error of every stored
+log-prob against a plain float32 forward of each row alone (first shard).
+
+`run_gpu()` measures bf16 throughput on CUDA with a larger random-initialised Llama; it needs a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CORPUS = Path("/work/shared/corpus")
+TEACHER = "smollm2-135m-instruct"
+LIMIT_OVERHEAD = 0.10
+LIMIT_BYTES = 64.0
+LIMIT_ERROR = 0.01
+WINDOW = 1024
+TOP_K = 32
+BATCH_TOKENS = 8192
+
+
+def _sources(quick: bool) -> dict[str, str]:
+    """name -> real text (about 16 KB each, 2 KB in quick mode)."""
+    size = 2_000 if quick else 16_000
+    if not CORPUS.is_dir():
+        data = ROOT / "tests" / "data"
+        names = ("botchan-slice.txt", "devil-slice.txt", "python-docs-generators-slice.txt", "kjv-genesis-slice.txt")
+        return {name.split("-")[0]: (data / name).read_text(encoding="utf-8")[:size] for name in names}
+
+    def text(name, offset):
+        raw = (CORPUS / name).read_text(encoding="utf-8")
+        return raw[offset:offset + size]
+
+    def jsonl(name, start, count):
+        lines = (CORPUS / name).read_text(encoding="utf-8").splitlines()[start:start + count]
+        return "\n".join(json.loads(line)["text"] for line in lines)[:size]
+
+    return {
+        "bible": text("kjv.txt", 1_000_000),
+        "python-docs": text("python-docs.txt", 3_000_000),
+        "stdlib-code": jsonl("cpython-stdlib-code.jsonl", 50, 3),
+        "jargon": text("jargon.txt", 600_000),
+        "novel": text("botchan.txt", 50_000),
+        "translations": "\n".join(json.loads(line)["text"] for line in
+                                  (CORPUS / "django-po-multilingual.jsonl").read_text(encoding="utf-8").splitlines()[::37])[:size],
+    }
+
+
+def _align(tmp: Path, quick: bool) -> tuple[Path, dict[str, str]]:
+    from csd_pipeline.align_stage import AlignConfig, run_align
+
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    sources = _sources(quick)
+    files = []
+    for index, (name, body) in enumerate(sources.items()):
+        path = corpus / f"{index}-{name}.txt"
+        path.write_text(body, encoding="utf-8")
+        files.append(str(path))
+    out = tmp / "aligned"
+    # shard_bytes=1: every document (one per source) closes its own shard.
+    run_align(AlignConfig(corpus=files, student_tokenizer="gpt-2", teacher_tokenizers=["smollm2"], output=str(out),
+                          max_student_tokens=WINDOW, max_teacher_tokens=[WINDOW], shard_bytes=1), rank=0, world_size=1)
+    return out, {Path(f).stem: f for f in files}
+
+
+def _shard_rows(path: Path):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["row_id", "teacher0_ids"])
+    return [np.asarray(ids, np.int64) for ids in table.column("teacher0_ids").to_pylist()], table.column("row_id").to_pylist()
+
+
+def _forward_only(runner, rows, block_positions: int, own_path: bool) -> float:
+    """Seconds of the teacher's forward alone on the batches the stage forms for these rows."""
+    from csd_pipeline.teacher_logits import block_ranges
+    from csd_pipeline.teacher_runner import plan_batches
+
+    start_time = time.perf_counter()
+    for start, end in block_ranges([len(r) for r in rows], block_positions):
+        block = rows[start:end]
+        for batch in plan_batches([len(r) for r in block], runner.batch_tokens):
+            runner.forward_only([block[i] for i in batch], own_path=own_path)
+    return time.perf_counter() - start_time
+
+
+class _PeakRss:
+    """Samples this process's resident memory every 20 ms while active (`with sampler:`)."""
+
+    def __init__(self):
+        import threading
+
+        self.peak = 0
+        self._active = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * resource.getpagesize()
+
+    def _sample(self):
+        while not self._stop.wait(0.02):
+            if self._active.is_set():
+                self.peak = max(self.peak, self.rss())
+
+    def __enter__(self):
+        self.peak = max(self.peak, self.rss())
+        self._active.set()
+
+    def __exit__(self, *exc):
+        self.peak = max(self.peak, self.rss())
+        self._active.clear()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def _measure_shard(runner, aligned_file: Path, target: Path, rows, *, reverse: bool, baselines, sampler=None,
+                   sync=lambda: None) -> tuple[dict, object]:
+    """Time the stage on one shard and the forward-only baselines on its batches, in alternating order."""
+    from csd_pipeline.teacher_logits import DEFAULT_BLOCK_POSITIONS, write_teacher_shard
+
+    result = None
+
+    def stage():
+        nonlocal result
+        if sampler is not None:
+            with sampler:
+                result = write_teacher_shard(runner, aligned_file, 0, target, DEFAULT_BLOCK_POSITIONS)
+        else:
+            result = write_teacher_shard(runner, aligned_file, 0, target, DEFAULT_BLOCK_POSITIONS)
+
+    steps = {name: (lambda own=(name == "own_forward"): _forward_only(runner, rows, DEFAULT_BLOCK_POSITIONS, own_path=own))
+             for name in baselines}
+    steps["stage"] = stage
+    times = {}
+    for name in (reversed(list(steps)) if reverse else list(steps)):  # cancel drift on a busy machine
+        sync()
+        began = time.perf_counter()
+        steps[name]()
+        sync()
+        times[name] = time.perf_counter() - began
+    return times, result
+
+
+def _decode_error(runner, shard_file: Path, rows) -> dict:
+    """Max |stored - float32 forward of the row alone| over stored log-probs > -20 and observed ones."""
+    import numpy as np
+    import torch
+
+    from csd_pipeline.teacher_topk_reader import TeacherShard
+
+    worst_top, worst_observed, values = 0.0, 0.0, 0
+    for stored, ids in zip(TeacherShard(shard_file), rows):
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(runner.model(torch.tensor(ids[None, :])).logits[0].float(), dim=-1).numpy()
+        reference = np.take_along_axis(logprobs, stored.ids.astype(np.int64), axis=1)
+        keep = reference > -20
+        worst_top = max(worst_top, float(np.abs(stored.logprobs - reference)[keep].max()))
+        observed = logprobs[np.arange(len(ids) - 1), ids[1:]]
+        worst_observed = max(worst_observed, float(np.abs(stored.observed_logprob[:-1] - observed).max()))
+        values += int(keep.sum())
+    return {"top": worst_top, "observed": worst_observed, "values": values}
+
+
+def run(quick: bool = False) -> dict:
+    """Benchmark the stage on CPU; returns {"name", "metrics", "checks"}."""
+    import torch
+
+    from csd_pipeline.fixtures import model_path
+    from csd_pipeline.model_loading import load_causal_lm
+    from csd_pipeline.teacher_runner import TeacherRunner
+
+    with tempfile.TemporaryDirectory(prefix="bench-teacher-") as tmp_name:
+        tmp = Path(tmp_name)
+        aligned, _ = _align(tmp, quick)
+        manifest = json.loads((aligned / "manifest.json").read_text())
+        started = time.perf_counter()
+        loaded = load_causal_lm(str(model_path(TEACHER)), device="cpu")
+        load_seconds = time.perf_counter() - started
+        runner = TeacherRunner(loaded, top_k=TOP_K, vocab_limit=49152, batch_tokens=BATCH_TOKENS)
+        runner.time_forward = True
+        out = tmp / "teacher"
+        out.mkdir()
+        totals = {"model_forward": 0.0, "own_forward": 0.0, "stage": 0.0}
+        per_source, positions_total, file_bytes, payload_bytes = {}, 0, 0, 0
+        sampler = _PeakRss()
+        baseline_rss = _PeakRss.rss()
+        for index, shard in enumerate(manifest["shards"]):
+            rows, _ = _shard_rows(aligned / shard["file"])
+            target = out / shard["file"]
+            times, result = _measure_shard(runner, aligned / shard["file"], target, rows, reverse=index % 2 == 1,
+                                           baselines=("model_forward", "own_forward"), sampler=sampler)
+            for name, seconds in times.items():
+                totals[name] += seconds
+            positions = result.stats["positions"]
+            positions_total += positions
+            file_bytes += target.stat().st_size
+            payload_bytes += result.stats["payload_bytes"]
+            per_source[f"bytes_per_position[{index}]"] = round(target.stat().st_size / positions, 2)
+            per_source[f"positions[{index}]"] = positions
+        sampler.close()
+        first = manifest["shards"][0]["file"]
+        error = _decode_error(runner, out / first, _shard_rows(aligned / first)[0])
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    stage_total = totals["stage"]
+    inside = runner.forward_seconds  # decoder + output layer, timed inside the stage runs
+    overhead = (stage_total - inside) / stage_total
+    overhead_vs_own = (stage_total - totals["own_forward"]) / stage_total
+    overhead_vs_model = (stage_total - totals["model_forward"]) / stage_total
+    bytes_per_position = file_bytes / positions_total
+    bytes_limit = LIMIT_BYTES if not quick else 80.0  # quick: ~600 positions per shard, LZMA starts cold
+    metrics = {
+        "positions": positions_total,
+        "stage_seconds": round(stage_total, 2),
+        "own_forward_seconds": round(totals["own_forward"], 2),
+        "model_forward_seconds": round(totals["model_forward"], 2),
+        "positions_per_second": round(positions_total / stage_total, 1),
+        "forward_positions_per_second": round(positions_total / totals["own_forward"], 1),
+        "forward_seconds_inside_stage": round(inside, 2),
+        "overhead_fraction_inside_stage": round(overhead, 4),
+        "overhead_fraction_vs_own_forward": round(overhead_vs_own, 4),
+        "overhead_fraction_vs_model_forward": round(overhead_vs_model, 4),
+        "bytes_per_position_files": round(bytes_per_position, 2),
+        "bytes_per_position_payload": round(payload_bytes / positions_total, 2),
+        "max_error_top_k_above_-20": round(error["top"], 5),
+        "max_error_observed": round(error["observed"], 5),
+        "checked_values": error["values"],
+        "peak_rss_mb_stage": round(sampler.peak / 2**20, 1),
+        "rss_mb_model_loaded": round(baseline_rss / 2**20, 1),
+        "peak_rss_mb_process": round(peak_mb, 1),
+        "teacher_load_seconds": round(load_seconds, 2),
+        "torch_threads": torch.get_num_threads(),
+        "logits_path": runner.path,
+        **per_source,
+    }
+    checks = {
+        "overhead_beyond_forward_fraction": {"value": overhead, "limit": LIMIT_OVERHEAD, "ok": overhead <= LIMIT_OVERHEAD},
+        "bytes_per_position" + ("_quick" if quick else ""): {
+            "value": bytes_per_position, "limit": bytes_limit, "ok": bytes_per_position <= bytes_limit},
+        "max_abs_error_nats": {"value": max(error["top"], error["observed"]), "limit": LIMIT_ERROR,
+                               "ok": max(error["top"], error["observed"]) <= LIMIT_ERROR},
+    }
+    return {"name": "teacher", "metrics": metrics, "checks": checks}
+
+
+def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, vocab_tokenizer: str = "llama-bpe") -> dict:
+    """bf16 throughput on CUDA with a random-initialised Llama (about 1B parameters by default).
+
+    Aligns real text for the `vocab_tokenizer` teacher (Llama 3, 128,256 ids), saves the random
+    teacher with that tokenizer, then times forward-only vs the stage per shard as `run` does.
+    Needs a CUDA device (raises RuntimeError without one).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from csd_pipeline.align_stage import AlignConfig, run_align
+    from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.model_loading import load_causal_lm
+    from csd_pipeline.teacher_runner import TeacherRunner
+    from csd_pipeline.vocab import load_tokenizer
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("run_gpu needs a CUDA device")
+    with tempfile.TemporaryDirectory(prefix="bench-teacher-gpu-") as tmp_name:
+        tmp = Path(tmp_name)
+        corpus = tmp / "corpus.txt"
+        sources = _sources(quick=False)
+        text = "\n\n".join(sources.values())
+        corpus.write_text(text * max(1, positions // max(1, len(text) // 4)), encoding="utf-8")
+        aligned = tmp / "aligned"
+        run_align(AlignConfig(corpus=[str(corpus)], student_tokenizer="gpt-2", teacher_tokenizers=[vocab_tokenizer],
+                              output=str(aligned), max_student_tokens=4096, max_teacher_tokens=[4096],
+                              split_on_blank_lines=True, shard_bytes=4 << 20), rank=0, world_size=1)
+        vocab = load_tokenizer(str(tokenizer_path(vocab_tokenizer))).vocab.size
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=hidden // 128, num_key_value_heads=max(1, hidden // 512),
+                             max_position_embeddings=8192, tie_word_embeddings=False)
+        model_dir = tmp / "teacher-model"
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(model_dir))
+        loaded = load_causal_lm(str(model_dir), device="cuda")  # bf16 by default on GPU
+        runner = TeacherRunner(loaded, top_k=TOP_K, vocab_limit=vocab, batch_tokens=65536)
+        runner.time_forward = True  # synchronises the GPU around the forward: slightly pessimistic
+        manifest = json.loads((aligned / "manifest.json").read_text())
+        out = tmp / "teacher"
+        out.mkdir()
+        forward_total = stage_total = 0.0
+        positions_total = 0
+        for index, shard in enumerate(manifest["shards"]):
+            rows, _ = _shard_rows(aligned / shard["file"])
+            times, result = _measure_shard(runner, aligned / shard["file"], out / shard["file"], rows,
+                                           reverse=index % 2 == 1, baselines=("own_forward",), sync=torch.cuda.synchronize)
+            forward_total += times["own_forward"]
+            stage_total += times["stage"]
+            positions_total += result.stats["positions"]
+        peak_gpu = torch.cuda.max_memory_allocated() / 2**30
+    return {
+        "name": "teacher_gpu",
+        "metrics": {
+            "parameters_millions": round(sum(p.numel() for p in loaded.model.parameters()) / 1e6, 1),
+            "positions": positions_total,
+            "positions_per_second": round(positions_total / stage_total, 1),
+            "forward_positions_per_second": round(positions_total / forward_total, 1),
+            "overhead_fraction_vs_own_forward": round((stage_total - forward_total) / stage_total, 4),
+            "overhead_fraction_inside_stage": round((stage_total - runner.forward_seconds) / stage_total, 4),
+            "peak_gpu_gib": round(peak_gpu, 2),
+            "logits_path": runner.path,
+        },
+        "checks": {},
+    }
+
+
+if __name__ == "__main__":
+    result = run_gpu() if "--gpu" in sys.argv else run(quick="--quick" in sys.argv)
+    print(json.dumps(result, indent=2, sort_keys=True))

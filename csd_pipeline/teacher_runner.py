@@ -1,0 +1,245 @@
+"""The teacher forward and its top-k: `TeacherRunner` turns rows of teacher ids into `RowTopk`s.
+
+- Rows are sorted by length and batched under a token budget (`plan_batches`), right-padded, with
+  the padding masked; the batches are a pure function of the rows and the budget.
+- The decoder's last hidden states of the real positions go through the output layer in float32,
+  a chunk of positions at a time (a bf16 GPU teacher still gets float32 logits and log-softmax, and
+  memory stays bounded by the chunk). A head that is not a plain linear layer, or whose logits this
+  path does not reproduce on a short probe, falls back to the model's own forward.
+- Log-softmax over the model's whole output; ids at or beyond the tokenizer size (padded rows) are
+  kept out of the top-k after the normalisation.
+- A row with any non-finite value is marked (`finite=False`) for the stage to reject.
+- On a GPU an out-of-memory batch is split in two and retried.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from csd_pipeline.errors import CsdError
+
+LOGIT_CHUNK_ELEMENTS = 1 << 25  # float32 logits held at once: 128 MiB
+PROBE_TOKENS = 16
+
+
+@dataclass
+class RowTopk:
+    """The teacher's values for one row: ids int32 [T, k], logprobs float32 [T, k] (descending),
+    observed float32 [T] (NaN at the last position); `finite` is False when the row is rejected."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    observed: np.ndarray
+    finite: bool
+
+
+def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
+    """Group row indices into batches: longest first, each batch's rows x longest row <= batch_tokens
+    (a row longer than the budget goes alone). A pure function of (lengths, batch_tokens)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    batches: list[list[int]] = []
+    for index in order:
+        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= batch_tokens:
+            batches[-1].append(index)
+        else:
+            batches.append([index])
+    return batches
+
+
+class TeacherRunner:
+    """Computes `RowTopk`s for rows of teacher token ids with a loaded model (`LoadedModel`).
+
+    vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k.
+    """
+
+    def __init__(self, loaded, *, top_k: int, vocab_limit: int, temperature: float = 1.0,
+                 batch_tokens: int = 8192, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+        import torch
+
+        self.loaded = loaded
+        self.model = loaded.model.eval()
+        self.device = loaded.device
+        self.top_k = top_k
+        self.vocab_limit = vocab_limit
+        self.output_size = loaded.output_size
+        if vocab_limit > self.output_size:
+            raise ValueError("vocab_limit exceeds the model's output size")
+        if top_k > vocab_limit:
+            raise CsdError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_limit}); pass a smaller --top-k.")
+        self.temperature = temperature
+        self.batch_tokens = batch_tokens
+        # Seconds spent in the teacher's forward itself (decoder + output layer), measured inside the
+        # stage when `time_forward` is set, so a benchmark can split the stage's time on a busy machine.
+        self.time_forward = loaded.device.type == "cpu"
+        self.forward_seconds = 0.0
+        self.chunk = max(1, logit_chunk_elements // self.output_size)
+        self._head = None
+        self.path = "forward"
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        base = getattr(self.model, getattr(self.model, "base_model_prefix", ""), None)
+        if isinstance(head, torch.nn.Linear) and base is not None and base is not self.model:
+            self._base = base
+            weight = head.weight.detach()
+            bias = None if head.bias is None else head.bias.detach()
+            # float32 output layer: a bf16 teacher still gets float32 logits (one copy of the head).
+            self._head = (weight.float(), None if bias is None else bias.float())
+            config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+            self._softcap = getattr(config, "final_logit_softcapping", None)
+            self._scale = getattr(config, "logit_scale", None)
+            self._scaling = getattr(config, "logits_scaling", None)
+            self.path = "hidden+head" if self._probe_matches() else "forward"
+            if self.path == "forward":
+                self._head = None
+
+    # -- logits ----------------------------------------------------------------------------
+
+    def _head_logits(self, hidden):
+        import torch
+
+        weight, bias = self._head
+        logits = torch.nn.functional.linear(hidden.float(), weight, bias)
+        if self._scale not in (None, 1, 1.0):
+            logits = logits * float(self._scale)
+        if self._scaling not in (None, 1, 1.0):
+            logits = logits / float(self._scaling)
+        if self._softcap:
+            logits = torch.tanh(logits / float(self._softcap)) * float(self._softcap)
+        return logits
+
+    def _probe_matches(self) -> bool:
+        """Check once that hidden states + head reproduce the model's own logits on a short probe."""
+        import torch
+
+        ids = torch.arange(min(PROBE_TOKENS, self.vocab_limit), device=self.device)[None, :]
+        with torch.inference_mode():
+            reference = self.model(input_ids=ids, use_cache=False).logits[0].float()
+            try:
+                hidden = self._base(input_ids=ids, use_cache=False).last_hidden_state[0]
+                mine = self._head_logits(hidden)
+            except (TypeError, AttributeError, ValueError, RuntimeError):
+                return False  # a base model with another interface: use the model's own forward
+        if mine.shape != reference.shape:
+            return False
+        low_precision = self.loaded.dtype in (torch.bfloat16, torch.float16)
+        tolerance = (2e-2 if low_precision else 1e-3) * (1.0 + reference.abs())
+        return bool(((mine - reference).abs() <= tolerance).all())
+
+    def _batch_tensors(self, rows: list[np.ndarray]):
+        import torch
+
+        width = max(len(r) for r in rows)
+        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            input_ids[b, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.int64))
+            mask[b, : len(row)] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def forward_only(self, rows: list[np.ndarray], *, own_path: bool = False) -> None:
+        """Only the teacher's forward on a padded batch, for benchmarks: the model's plain forward
+        (`model(...).logits`), or with `own_path` the same computation this runner does (decoder, then
+        float32 output layer on the real positions, chunk by chunk) without log-softmax, top-k or copies."""
+        import torch
+
+        input_ids, mask = self._batch_tensors(rows)
+        with torch.inference_mode():
+            if not own_path or self._head is None:
+                self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
+                return
+            width = input_ids.shape[1]
+            flat = torch.cat([torch.arange(len(r), device=self.device) + b * width for b, r in enumerate(rows)])
+            states = self._base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+            states = states.reshape(-1, states.shape[-1])[flat]
+            for start in range(0, states.shape[0], self.chunk):
+                self._head_logits(states[start:start + self.chunk])
+
+    def _batch_topk(self, rows: list[np.ndarray]) -> list[RowTopk]:
+        import torch
+
+        input_ids, mask = self._batch_tensors(rows)
+        lengths = [len(r) for r in rows]
+        width = input_ids.shape[1]
+        flat = torch.cat([torch.arange(n, device=self.device) + b * width for b, n in enumerate(lengths)])
+        next_ids = torch.from_numpy(np.concatenate(
+            [np.append(np.asarray(r[1:], dtype=np.int64), -1) for r in rows])).to(self.device)
+        clock = self._clock
+        with torch.inference_mode():
+            began = clock()
+            if self._head is not None:
+                states = self._base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+                states = states.reshape(-1, states.shape[-1])[flat]
+            else:
+                logits_all = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+                states = logits_all.reshape(-1, logits_all.shape[-1])[flat]
+            forward = clock() - began
+            ids_out, lp_out, obs_out, ok_out = [], [], [], []
+            for start in range(0, states.shape[0], self.chunk):
+                part = states[start:start + self.chunk]
+                began = clock()
+                logits = self._head_logits(part) if self._head is not None else part.float()
+                forward += clock() - began
+                if self.temperature != 1.0:
+                    logits = logits / self.temperature
+                lse = torch.logsumexp(logits, dim=-1)
+                # Normalised over the whole output; padded rows (>= tokenizer size) never in the top-k.
+                candidates = logits if self.vocab_limit == logits.shape[-1] else logits[:, : self.vocab_limit]
+                values, indices = torch.topk(candidates, self.top_k, dim=-1)
+                logprobs = values - lse[:, None]
+                nxt = next_ids[start:start + part.shape[0]]
+                observed = logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse
+                observed = torch.where(nxt >= 0, observed, torch.full_like(observed, float("nan")))
+                ok = torch.isfinite(lse) & torch.isfinite(logprobs).all(dim=1) & (torch.isfinite(observed) | (nxt < 0))
+                ids_out.append(indices.to(torch.int32).cpu())
+                lp_out.append(logprobs.cpu())
+                obs_out.append(observed.cpu())
+                ok_out.append(ok.cpu())
+        ids_all = torch.cat(ids_out).numpy()
+        lp_all = torch.cat(lp_out).numpy()
+        obs_all = torch.cat(obs_out).numpy()
+        ok_all = torch.cat(ok_out).numpy()
+        results, offset = [], 0
+        for n in lengths:
+            part = slice(offset, offset + n)
+            results.append(RowTopk(ids_all[part], lp_all[part], obs_all[part], bool(ok_all[part].all())))
+            offset += n
+        self.forward_seconds += forward
+        return results
+
+    def _clock(self) -> float:
+        # Only for `forward_seconds` (benchmarks): on a GPU the clock waits for the device, so
+        # timing is left off there unless asked for.
+        if not self.time_forward:
+            return 0.0
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _run_batch(self, rows: list[np.ndarray]) -> list[RowTopk]:
+        import torch
+
+        try:
+            return self._batch_topk(rows)
+        except torch.OutOfMemoryError:
+            if self.device.type != "cuda":
+                raise
+            torch.cuda.empty_cache()
+            if len(rows) == 1:
+                raise CsdError(
+                    f"one teacher row of {len(rows[0])} tokens does not fit in GPU memory even alone; align with a "
+                    "smaller --max-teacher-tokens or use a larger GPU."
+                ) from None
+            half = len(rows) // 2  # split and retry: an OOM batch is never fatal
+            return self._run_batch(rows[:half]) + self._run_batch(rows[half:])
+
+    def run(self, rows: list[np.ndarray]) -> list[RowTopk]:
+        """The `RowTopk` of every row (int teacher ids, each non-empty), in the given order."""
+        results: list[RowTopk | None] = [None] * len(rows)
+        for batch in plan_batches([len(r) for r in rows], self.batch_tokens):
+            for index, result in zip(batch, self._run_batch([rows[i] for i in batch])):
+                results[index] = result
+        return results
