@@ -55,7 +55,7 @@ def tool(name: str) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/demo", help="output folder (default: out/demo)")
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps of each student")
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps of each student")
     parser.add_argument("--fresh", action="store_true", help="delete the output folder first")
     args = parser.parse_args(argv)
     out = Path(args.out)
