@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from cli.outputs import echo_run_report
+
 
 @click.command()
 @click.option("--corpus", "corpus", multiple=True, required=True, type=click.Path(),
@@ -80,8 +82,4 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
     log = None if quiet else (lambda message: click.echo(message, err=True))
     report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if not quiet:
-        if report.complete:
-            click.echo(f"{output}: complete; see `csd-pipeline inspect {output}`.")
-        else:
-            click.echo(f"{output}: rank {report.rank} of {report.world_size} done; the manifest is written when every "
-                       f"rank is done (`csd-pipeline status {output}`).")
+        echo_run_report(output, report)

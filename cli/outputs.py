@@ -88,3 +88,12 @@ def summarise(manifest: dict) -> dict:
         per_row = round(stats["chat"].get("supervised_student_tokens", 0) / rows, 2) if rows else None
         report["chat"] = {**stats["chat"], "supervised_student_tokens_per_row": per_row}
     return report
+
+
+def echo_run_report(output, report) -> None:
+    """One line after a stage run: complete (see inspect), or this rank done (see status)."""
+    if report.complete:
+        click.echo(f"{output}: complete; see `csd-pipeline inspect {output}`.")
+    else:
+        click.echo(f"{output}: rank {report.rank} of {report.world_size} done; the manifest is written when every "
+                   f"rank is done (`csd-pipeline status {output}`).")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from cli.outputs import echo_run_report
+
 
 @click.command()
 @click.option("--aligned", required=True, type=click.Path(file_okay=False),
@@ -49,8 +51,4 @@ def teacher_logits(aligned, teacher, output, teacher_index, top_k, batch_tokens,
     log = None if quiet else (lambda message: click.echo(message, err=True))
     report = run_teacher_logits(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if not quiet:
-        if report.complete:
-            click.echo(f"{output}: complete; see `csd-pipeline inspect {output}`.")
-        else:
-            click.echo(f"{output}: rank {report.rank} of {report.world_size} done; the manifest is written when every "
-                       f"rank is done (`csd-pipeline status {output}`).")
+        echo_run_report(output, report)
