@@ -74,7 +74,7 @@ class TrainConfig:
     beta: float = _opt(5.0, "weight of the non-1:1 chunks in the KD term")
     spelling: str = _opt("sum", "tokens with equal bytes: sum their probabilities or exclude them",
                          choices=SPELLINGS)
-    loss_chunk_size: int = _opt(1024, "positions per chunk of the student log-softmax")
+    loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
     # checkpoints
     save_every: int = _opt(500, "checkpoint every N steps (0: only at the end)")
     keep_last: int = _opt(2, "keep the latest N checkpoints")
@@ -108,12 +108,11 @@ class TrainConfig:
         if self.student_config and not self.student_tokenizer:
             raise CsdError("--student-config needs --student-tokenizer: a model started from scratch "
                            "has no tokenizer of its own")
-        for name in ("steps", "seq_len", "batch_size", "grad_accum", "keep_last", "loss_chunk_size",
-                     "shuffle_block"):
+        for name in ("steps", "seq_len", "batch_size", "grad_accum", "keep_last", "shuffle_block"):
             if getattr(self, name) < 1:
                 raise CsdError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "eval_every", "export_every", "stop_at_step",
-                     "eval_max_rows", "workers"):
+                     "eval_max_rows", "workers", "loss_chunk_size"):
             if getattr(self, name) < 0:
                 raise CsdError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.seq_len < 2:

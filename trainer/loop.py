@@ -173,7 +173,7 @@ def _evaluate(wrapper, config, ctx, data, step, metrics) -> None:
     result = bits_per_byte_fsdp(wrapper, config.eval_aligned, ctx, seq_len=config.seq_len,
                                 batch_size=config.batch_size, max_rows=config.eval_max_rows,
                                 student_fingerprint=data.student_vocab.fingerprint,
-                                chunk_size=config.loss_chunk_size)
+                                chunk_size=config.loss_chunk_size or None)
     metrics.log_eval({"step": step, **result})
 
 
@@ -217,7 +217,7 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         inputs = _to_device(batch, ctx.device)
         out = wrapper(**inputs, global_ce_tokens=ce_tokens, global_chunk_counts=chunk_counts,
                       teacher_weights=teacher_weights, divergence=config.divergence, beta=config.beta,
-                      chunk_size=config.loss_chunk_size)
+                      chunk_size=config.loss_chunk_size or None)
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
         pieces += _diagnostics(out["metrics"], n_teachers)
