@@ -183,14 +183,17 @@ class TeacherRunner:
                 forward += clock() - began
                 if self.temperature != 1.0:
                     logits = logits / self.temperature
-                lse = torch.logsumexp(logits, dim=-1)
-                # Normalised over the whole output; padded rows (>= tokenizer size) never in the top-k.
+                # Padded rows (ids >= tokenizer size) never enter the top-k ...
                 candidates = logits if self.vocab_limit == logits.shape[-1] else logits[:, : self.vocab_limit]
                 values, indices = torch.topk(candidates, self.top_k, dim=-1)
-                logprobs = values - lse[:, None]
                 nxt = next_ids[start:start + part.shape[0]]
-                observed = logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse
-                observed = torch.where(nxt >= 0, observed, torch.full_like(observed, float("nan")))
+                observed = logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0]
+                # ... but the normaliser covers the whole output: log-sum-exp, shifted by the row maximum,
+                # in place (twice as fast as torch.logsumexp on CPU). A NaN or inf logit makes it NaN.
+                peak = values[:, 0] if candidates is logits else logits.amax(dim=-1)
+                lse = peak + torch.log(logits.sub_(peak[:, None]).exp_().sum(dim=-1))
+                logprobs = values - lse[:, None]
+                observed = torch.where(nxt >= 0, observed - lse, torch.full_like(observed, float("nan")))
                 ok = torch.isfinite(lse) & torch.isfinite(logprobs).all(dim=1) & (torch.isfinite(observed) | (nxt < 0))
                 ids_out.append(indices.to(torch.int32).cpu())
                 lp_out.append(logprobs.cpu())
