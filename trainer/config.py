@@ -27,7 +27,7 @@ TRAJECTORY_KEYS = (
     "aligned", "teacher_logits", "student", "student_config", "student_tokenizer", "seq_len",
     "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_eps", "grad_clip", "seed", "loss", "divergence", "beta", "kd_teachers",
-    "spelling", "shuffle_block", "dtype",
+    "spelling", "teacher_top_k", "shuffle_block", "dtype",
 )
 
 
@@ -74,6 +74,8 @@ class TrainConfig:
     beta: float = _opt(5.0, "weight of the non-1:1 chunks in the KD term")
     spelling: str = _opt("sum", "tokens with equal bytes: sum their probabilities or exclude them",
                          choices=SPELLINGS)
+    teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
+                                 "(0: all); compares top-k sizes without re-running the teacher")
     loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
     # checkpoints
     save_every: int = _opt(500, "checkpoint every N steps (0: only at the end)")
@@ -112,7 +114,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise CsdError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "eval_every", "export_every", "stop_at_step",
-                     "eval_max_rows", "workers", "loss_chunk_size"):
+                     "eval_max_rows", "workers", "loss_chunk_size", "teacher_top_k"):
             if getattr(self, name) < 0:
                 raise CsdError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.seq_len < 2:

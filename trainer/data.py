@@ -163,7 +163,7 @@ class TrainingData:
             seed=self.config.seed, shuffle_block=self.config.shuffle_block, seq_len=self.config.seq_len,
             batch_size=self.config.batch_size, spelling=self.config.spelling,
             only_1to1=self.config.loss == "csd_1to1", rank=rank, world=world, epoch=state["epoch"],
-            position=state["position"], pad_id=self.pad_id(),
+            position=state["position"], pad_id=self.pad_id(), teacher_top_k=self.config.teacher_top_k,
         )
         return BatchLoader(spec, self.config.workers)
 
@@ -252,6 +252,7 @@ class LoaderSpec:
     epoch: int
     position: int
     pad_id: int
+    teacher_top_k: int = 0
 
 
 @dataclass
@@ -373,7 +374,8 @@ class _BatchBuilder:
             self._teacher_cache[key] = read_teacher_shard(
                 Path(self.spec.teacher_dirs[t]), self.spec.teacher_shard_files[t][shard]
             )
-        return self._teacher_cache[key][row]
+        topk = self._teacher_cache[key][row]
+        return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
         from csd_pipeline.events import build_row_events, ce_targets, collate_events, empty_events
@@ -404,6 +406,21 @@ class _BatchBuilder:
             padding_tokens=spec.batch_size * spec.seq_len - packed.content_tokens, windows=len(windows),
             state=dict(windows[-1].state_after),
         )
+
+
+def keep_most_likely(topk, n: int):
+    """The row with only its n most likely stored entries per position (all when n >= k).
+
+    The stored entries are the teacher's k most likely ids, so their n most likely are exactly what a
+    top-n capture would store (up to the encoding's quantisation).
+    """
+    from dataclasses import replace
+
+    if not topk.ok or n >= topk.ids.shape[1]:
+        return topk
+    order = np.argsort(-topk.logprobs, axis=1, kind="stable")[:, :n]
+    return replace(topk, ids=np.take_along_axis(topk.ids, order, axis=1),
+                   logprobs=np.take_along_axis(topk.logprobs, order, axis=1))
 
 
 @dataclass
