@@ -120,8 +120,15 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def _save(results: list[dict], teachers: dict, results_dir: Path) -> None:
+    """Write quality.json, keeping the results of regimes this run did not measure."""
+    path = results_dir / "quality.json"
+    measured = {r["regime"] for r in results} | set(teachers)
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        results = [r for r in previous.get("results", []) if r["regime"] not in measured] + results
+        teachers = {k: v for k, v in previous.get("teacher_bits_per_byte", {}).items() if k not in measured} | teachers
     summary = {"results": results, "teacher_bits_per_byte": teachers}
-    (results_dir / "quality.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str]) -> int:
@@ -157,6 +164,8 @@ def main(argv: list[str]) -> int:
             print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte", flush=True)
         results.extend(rows)
         _save(results, teachers, results_dir)
+    merged = json.loads((results_dir / "quality.json").read_text())  # every regime measured so far
+    results, teachers = merged["results"], merged["teacher_bits_per_byte"]
     plot(results, results_dir / "quality.png")
     print(f"\n{'regime':<13} {'arm':<18} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
     for regime in sorted({r['regime'] for r in results}):
