@@ -179,7 +179,8 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     out.mkdir(parents=True, exist_ok=True)
     check_or_record_run(run)
     _prepare_tables(out, config, student, teachers, log)
-    return run_stage(run, rank=rank, world_size=world_size, workers=workers, log=log)
+    # log=None means quiet here; the executor's own default would print.
+    return run_stage(run, rank=rank, world_size=world_size, workers=workers, log=log or (lambda message: None))
 
 
 _BUNDLES: dict = {}
