@@ -153,23 +153,12 @@ class ChatAligner:
 
     def new_stats(self) -> dict:
         """Counters of one shard (summed across shards by the executor); the text mode layout plus `chat`."""
+        from csd_pipeline.text_align import shard_stats
+
         n = len(self.teachers)
-        stats = {
-            "documents": {"read": 0, "aligned": 0, "with_rejected_regions": 0},
-            "rejected_documents": {},
-            "rejected_regions": {"chunk_longer_than_window": 0},
-            "rejected_region_bytes": 0,
-            "windows": 0,
-            "bytes": {"documents": 0, "windows": 0},
-            "tokens": {"student": 0, **{f"teacher{i}": 0 for i in range(n)}},
-            "chat": {"supervised_student_tokens": 0, "supervised_bytes": 0,
-                     "dropped_first_assistant_chunk": {f"teacher{i}": 0 for i in range(n)}},
-        }
-        for i in range(n):
-            stats[f"teacher{i}"] = {
-                "chunk_status": {s.name: 0 for s in ChunkStatus},
-                "accepted_shapes": {"1:1": 0, "1:N": 0, "M:1": 0, "M:N": 0},
-            }
+        stats = shard_stats(n)
+        stats["chat"] = {"supervised_student_tokens": 0, "supervised_bytes": 0,
+                         "dropped_first_assistant_chunk": {f"teacher{i}": 0 for i in range(n)}}
         return stats
 
     def render_record(self, document) -> tuple:

@@ -50,21 +50,7 @@ class BatchAligner:
 
     def new_stats(self) -> dict:
         """Counters of one shard (summed across shards by the executor)."""
-        stats = {
-            "documents": {"read": 0, "aligned": 0, "with_rejected_regions": 0},
-            "rejected_documents": {},
-            "rejected_regions": {"chunk_longer_than_window": 0},
-            "rejected_region_bytes": 0,
-            "windows": 0,
-            "bytes": {"documents": 0, "windows": 0},
-            "tokens": {"student": 0, **{f"teacher{i}": 0 for i in range(len(self.teachers))}},
-        }
-        for i in range(len(self.teachers)):
-            stats[f"teacher{i}"] = {
-                "chunk_status": {s.name: 0 for s in ChunkStatus},
-                "accepted_shapes": {"1:1": 0, "1:N": 0, "M:1": 0, "M:N": 0},
-            }
-        return stats
+        return shard_stats(len(self.teachers))
 
     def encode(self, bundle, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Content token ids of `texts` (no special tokens added or parsed): (flat ids, offsets per text)."""
@@ -241,3 +227,22 @@ def _strings(values: list[str]):
     encoded = [v.encode("utf-8") for v in values]
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     return _string_array(np.frombuffer(b"".join(encoded), dtype=np.uint8), lengths)
+
+
+def shard_stats(n_teachers: int) -> dict:
+    """Zeroed counters of one aligned shard (text and chat modes share this layout)."""
+    stats = {
+        "documents": {"read": 0, "aligned": 0, "with_rejected_regions": 0},
+        "rejected_documents": {},
+        "rejected_regions": {"chunk_longer_than_window": 0},
+        "rejected_region_bytes": 0,
+        "windows": 0,
+        "bytes": {"documents": 0, "windows": 0},
+        "tokens": {"student": 0, **{f"teacher{i}": 0 for i in range(n_teachers)}},
+    }
+    for i in range(n_teachers):
+        stats[f"teacher{i}"] = {
+            "chunk_status": {s.name: 0 for s in ChunkStatus},
+            "accepted_shapes": {"1:1": 0, "1:N": 0, "M:1": 0, "M:N": 0},
+        }
+    return stats
