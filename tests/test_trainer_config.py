@@ -34,6 +34,8 @@ def test_sources_apply_in_order(tmp_path):
         (["--seq-len", "0"], "--seq-len"),
         (["--seq-len", "many"], "seq_len"),
         (["--divergence", "tv"], "--divergence"),
+        (["--kd-scale", "auto"], "--kd-scale"),
+        (["--kd-weight", "-1"], "--kd-weight"),
         (["--bogus", "1"], "bogus"),
         (["lr=-1"], "--lr"),
         (["--loss", "csd"], "--teacher-logits"),

@@ -74,6 +74,19 @@ def test_csd_1to1_uses_only_one_to_one_chunks(trainer_data, trainer_teacher, csd
     assert row["ce"] == reference["ce"]  # same data, same weights: only the KD term differs
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("scale", "weight"), [("dynamic", 2.0), ("fixed", 0.5)])
+def test_kd_scale_and_weight_set_the_kd_multiplier(trainer_data, trainer_teacher, csd_run, tmp_path, scale, weight):
+    output = tmp_path / "run"
+    train(parse_args(args(trainer_data, trainer_teacher, output, "--steps", "1", "--kd-scale", scale,
+                          "--kd-weight", str(weight))))
+    row, reference = metrics(output)[0], metrics(csd_run)[0]
+    assert (row["ce"], row["kd"]) == (reference["ce"], reference["kd"])  # same first step before the update
+    expected = weight * row["ce"] / row["kd"] if scale == "dynamic" else weight
+    assert row["kd_scale"] == pytest.approx(expected, rel=1e-12)
+    assert row["loss"] == pytest.approx(row["ce"] + expected * row["kd"], rel=1e-12)
+
+
 def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, trainer_teacher, tmp_path):
     forged = tmp_path / "topk"
     shutil.copytree(trainer_teacher, forged)

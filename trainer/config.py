@@ -19,6 +19,7 @@ from csd_pipeline.errors import CsdError
 LOSSES = ("csd", "ce", "csd_1to1")
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 SPELLINGS = ("sum", "exclude")
+KD_SCALES = ("dynamic", "fixed")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -26,7 +27,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 TRAJECTORY_KEYS = (
     "aligned", "teacher_logits", "student", "student_config", "student_tokenizer", "seq_len",
     "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1",
-    "adam_beta2", "adam_eps", "grad_clip", "seed", "loss", "divergence", "beta", "kd_teachers",
+    "adam_beta2", "adam_eps", "grad_clip", "seed", "loss", "divergence", "beta", "kd_scale", "kd_weight", "kd_teachers",
     "spelling", "teacher_top_k", "shuffle_block", "dtype",
 )
 
@@ -72,6 +73,9 @@ class TrainConfig:
     loss: str = _opt("csd", "csd (default), ce (no KD) or csd_1to1 (only 1:1 chunks)", choices=LOSSES)
     divergence: str = _opt("jsd", "jsd, kl or reverse_kl", choices=DIVERGENCES)
     beta: float = _opt(5.0, "weight of the non-1:1 chunks in the KD term")
+    kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD",
+                         choices=KD_SCALES)
+    kd_weight: float = _opt(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)")
     spelling: str = _opt("sum", "tokens with equal bytes: sum their probabilities or exclude them",
                          choices=SPELLINGS)
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
@@ -123,8 +127,9 @@ class TrainConfig:
             raise CsdError(f"--lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise CsdError(f"--min-lr-ratio must be within [0, 1], got {self.min_lr_ratio}")
-        if self.beta < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            bad = next(n for n in ("beta", "weight_decay", "grad_clip") if getattr(self, n) < 0)
+        nonnegative = ("beta", "kd_weight", "weight_decay", "grad_clip")
+        if any(getattr(self, n) < 0 for n in nonnegative):
+            bad = next(n for n in nonnegative if getattr(self, n) < 0)
             raise CsdError(f"--{_flag(bad)} must be 0 or more, got {getattr(self, bad)}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:

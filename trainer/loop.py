@@ -223,8 +223,7 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         pieces += _diagnostics(out["metrics"], n_teachers)
         ce_m, kd_m, *rest = distributed.all_reduce_sum(pieces, ctx.device)
         kd_teachers, diag_m = rest[:n_teachers], rest[n_teachers:]
-        # sg(CE/KD) from this micro-step's all-rank values; L = CE when KD is 0.
-        scale = ce_m / kd_m if kd_m != 0 and math.isfinite(kd_m) else 0.0
+        scale = kd_scale(ce_m, kd_m, config)
         loss = out["ce"] + scale * out["kd"] if scale else out["ce"]
         (loss * ctx.world).backward()
         ce_total += ce_m
@@ -259,6 +258,17 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         if count:
             record.update({prefix + key: value / count for key, value in zip(LOSS_DIAGNOSTICS, sums, strict=True)})
     return record
+
+
+def kd_scale(ce: float, kd: float, config: TrainConfig) -> float:
+    """The KD multiplier of one micro-step from its all-rank CE and KD values.
+
+    dynamic: w * sg(CE/KD), so that the KD term weighs w times the CE (L = CE when KD is 0);
+    fixed: w. `--kd-weight 1` with the dynamic scale is the paper's loss.
+    """
+    if config.kd_scale == "fixed":
+        return config.kd_weight
+    return config.kd_weight * ce / kd if kd != 0 and math.isfinite(kd) else 0.0
 
 
 def _diagnostics(metrics: dict, n_teachers: int) -> list[float]:
