@@ -9,6 +9,7 @@ log-probability of token t+1 given tokens up to t; NaN at the last position) and
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +36,14 @@ class TeacherTopkRow:
 
 
 class TeacherShard(Sequence):
-    """One teacher top-k shard: `len()`, indexing (decodes the row's block, keeps the last one) and
-    iteration in row order. Raises CsdError when the file is not a teacher top-k shard of a known
-    encoding."""
+    """One teacher top-k shard: `len()`, indexing and iteration in row order.
 
-    def __init__(self, path):
+    Indexing decodes the row's whole block (one LZMA stream). Decoded blocks are kept, least
+    recently used first out, while they fit in `cache_bytes` (the last one is always kept), so that
+    reading the rows of a shard in a shuffled order decodes each block about once instead of once
+    per row. Raises CsdError when the file is not a teacher top-k shard of a known encoding."""
+
+    def __init__(self, path, cache_bytes: int = 0):
         import pyarrow.parquet as pq
 
         from csd_pipeline.topk_codec import ENCODING
@@ -73,7 +77,8 @@ class TeacherShard(Sequence):
         if any(self._file.metadata.row_group(b).num_rows != last - first for b, (first, last) in enumerate(self._block_rows)):
             raise CsdError(f"teacher shard {self.path}: its row groups are not its blocks; the file is corrupt, re-run "
                            "teacher-logits.")
-        self._cached: tuple[int, list[TeacherTopkRow]] | None = None
+        self.cache_bytes = int(cache_bytes)
+        self._cached: OrderedDict[int, list[TeacherTopkRow]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -81,8 +86,9 @@ class TeacherShard(Sequence):
     def _decode(self, block: int) -> list[TeacherTopkRow]:
         from csd_pipeline.topk_codec import decode_block
 
-        if self._cached is not None and self._cached[0] == block:
-            return self._cached[1]
+        if block in self._cached:
+            self._cached.move_to_end(block)
+            return self._cached[block]
         first, last = self._block_rows[block]
         payload = self._file.read_row_group(block, columns=["payload"]).column("payload")[0].as_py()
         if payload is None:
@@ -103,8 +109,15 @@ class TeacherShard(Sequence):
             part = slice(offset, offset + int(self.positions[index]))
             rows.append(TeacherTopkRow(self.row_ids[index], ids[part], logprobs[part], observed[part], 0))
             offset = part.stop
-        self._cached = (block, rows)
+        self._cached[block] = rows
+        while len(self._cached) > 1 and sum(map(self._block_bytes, self._cached)) > self.cache_bytes:
+            self._cached.popitem(last=False)
         return rows
+
+    def _block_bytes(self, block: int) -> int:
+        """Decoded size of a block: int32 ids and float32 log-probs per entry, a float32 observed log-prob."""
+        first, last = self._block_rows[block]
+        return int(self.positions[first:last].sum()) * (8 * self.k + 4)
 
     def __getitem__(self, index: int) -> TeacherTopkRow:
         if not -len(self) <= index < len(self):
@@ -118,9 +131,10 @@ class TeacherShard(Sequence):
             yield from self._decode(block)
 
 
-def read_teacher_shard(directory, shard_file) -> TeacherShard:
-    """One shard of a teacher-logits output (`shard_file` as listed in its manifest), as a `TeacherShard`."""
-    return TeacherShard(Path(directory) / shard_file)
+def read_teacher_shard(directory, shard_file, cache_bytes: int = 0) -> TeacherShard:
+    """One shard of a teacher-logits output (`shard_file` as listed in its manifest), as a `TeacherShard`
+    keeping up to `cache_bytes` of decoded blocks."""
+    return TeacherShard(Path(directory) / shard_file, cache_bytes)
 
 
 def teacher_manifest(directory) -> dict:

@@ -299,6 +299,33 @@ def test_random_access_equals_iteration(tiny_output):
         np.testing.assert_array_equal(shard[index].logprobs, in_order[index].logprobs)
 
 
+def test_reads_out_of_order_decode_each_block_once_when_it_fits(aligned, tiny_teacher, tmp_path, monkeypatch):
+    import csd_pipeline.topk_codec as codec
+    from csd_pipeline.teacher_topk_reader import read_teacher_shard
+
+    out = tmp_path / "small-blocks"
+    assert run_stage(aligned, tiny_teacher, out, block_positions=64).complete
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = len(read_teacher_shard(out, manifest["shards"][0]["file"]))
+    order = np.concatenate([np.arange(rows)[::-1], np.arange(rows)])  # back and forth over every block
+    decoded = []
+    real = codec.decode_block
+    monkeypatch.setattr(codec, "decode_block", lambda *a, **k: decoded.append(1) or real(*a, **k))
+    for cache_bytes in (1 << 30, 0):
+        shard = read_teacher_shard(out, manifest["shards"][0]["file"], cache_bytes=cache_bytes)
+        blocks = len(shard._block_rows)
+        in_order = list(read_teacher_shard(out, manifest["shards"][0]["file"]))
+        decoded.clear()
+        for index in order.tolist():
+            np.testing.assert_array_equal(shard[index].ids, in_order[index].ids)
+            np.testing.assert_array_equal(shard[index].logprobs, in_order[index].logprobs)
+        assert blocks >= 2
+        if cache_bytes:
+            assert len(decoded) == blocks  # every block once
+        else:
+            assert len(decoded) == 2 * blocks - 1  # one block kept: going back decodes again
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults, resume, ranks
 

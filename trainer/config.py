@@ -94,6 +94,8 @@ class TrainConfig:
     # machinery
     workers: int = _opt(2, "data-loader worker processes (0: in the training process)")
     shuffle_block: int = _opt(4, "shards shuffled together (rows are permuted within a block)")
+    teacher_cache_mb: int = _opt(1024, "decoded teacher top-k kept per data-loader worker, in MiB; rows are "
+                                       "read in shuffled order, so a block that does not stay is decoded again")
     device: str = _opt("auto", "auto, cpu or cuda", choices=DEVICES)
     dtype: str = _opt("auto", "parameter dtype in forward/backward: auto (bf16 on GPU), float32, bfloat16",
                       choices=DTYPES)
@@ -118,7 +120,7 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise CsdError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "eval_every", "export_every", "stop_at_step",
-                     "eval_max_rows", "workers", "loss_chunk_size", "teacher_top_k"):
+                     "eval_max_rows", "workers", "loss_chunk_size", "teacher_top_k", "teacher_cache_mb"):
             if getattr(self, name) < 0:
                 raise CsdError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.seq_len < 2:

@@ -164,6 +164,7 @@ class TrainingData:
             batch_size=self.config.batch_size, spelling=self.config.spelling,
             only_1to1=self.config.loss == "csd_1to1", rank=rank, world=world, epoch=state["epoch"],
             position=state["position"], pad_id=self.pad_id(), teacher_top_k=self.config.teacher_top_k,
+            teacher_cache_bytes=self.config.teacher_cache_mb << 20,
         )
         return BatchLoader(spec, self.config.workers)
 
@@ -253,6 +254,7 @@ class LoaderSpec:
     position: int
     pad_id: int
     teacher_top_k: int = 0
+    teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
 
 
 @dataclass
@@ -371,8 +373,9 @@ class _BatchBuilder:
             mine = [k for k in self._teacher_cache if k[0] == t]
             for old in mine[: max(0, len(mine) - self.spec.shuffle_block + 1)]:
                 del self._teacher_cache[old]
+            share = self.spec.teacher_cache_bytes // (self.spec.shuffle_block * len(self.spec.teacher_dirs))
             self._teacher_cache[key] = read_teacher_shard(
-                Path(self.spec.teacher_dirs[t]), self.spec.teacher_shard_files[t][shard]
+                Path(self.spec.teacher_dirs[t]), self.spec.teacher_shard_files[t][shard], cache_bytes=share
             )
         topk = self._teacher_cache[key][row]
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
