@@ -373,7 +373,8 @@ class _BatchBuilder:
             mine = [k for k in self._teacher_cache if k[0] == t]
             for old in mine[: max(0, len(mine) - self.spec.shuffle_block + 1)]:
                 del self._teacher_cache[old]
-            share = self.spec.teacher_cache_bytes // (self.spec.shuffle_block * len(self.spec.teacher_dirs))
+            open_shards = min(self.spec.shuffle_block, len(self.spec.shard_files))
+            share = self.spec.teacher_cache_bytes // (open_shards * len(self.spec.teacher_dirs))
             self._teacher_cache[key] = read_teacher_shard(
                 Path(self.spec.teacher_dirs[t]), self.spec.teacher_shard_files[t][shard], cache_bytes=share
             )
