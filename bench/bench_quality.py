@@ -6,17 +6,21 @@ Llama 2 SentencePiece tokenizer. Two regimes:
 - data-limited: `demo/corpus` (~32k student training tokens), ~9 epochs;
 - data-rich: `bench/corpus/rich-*` (~165k student training tokens), ~2 epochs.
 
-Arms: ce, csd_1to1 (JSD and forward KL), csd (JSD, beta 5), csd beta 1, csd forward KL, csd with
-only the teacher's 8 most likely entries instead of 32 (`teacher_top_k=8`; JSD and forward KL), and ce plus the best arm again with a
-second seed to show seed noise. Writes bench-results/quality.json and quality.png.
+The teacher's top-128 is stored once per regime; arms that use fewer entries keep the most likely
+ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Arms: ce;
+csd_1to1 and csd under JSD (beta 5, the paper's defaults; beta 1) and forward KL (beta 5, beta 1),
+all with the top-32; csd with the top-8; csd_1to1 and csd with forward KL, beta 1 and the top-128;
+then ce and the best arm again with a second seed to show seed noise. Writes
+bench-results/quality.json (with each run's held-out curve) and quality.png.
 
-    python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--out out/bench-quality]
+    python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -29,18 +33,22 @@ REGIMES = {
     "data-limited": {"train": "demo/corpus/devil-train.jsonl", "heldout": "demo/corpus/devil-heldout.jsonl", "steps": 150},
     "data-rich": {"train": "bench/corpus/rich-train.jsonl", "heldout": "bench/corpus/rich-heldout.jsonl", "steps": 170},
 }
+STORED_TOP_K = 128
 ARMS = {
     "ce": ["--loss", "ce"],
-    "csd_1to1 jsd": ["--loss", "csd_1to1", "--divergence", "jsd"],
-    "csd jsd b5": ["--loss", "csd", "--divergence", "jsd", "--beta", "5"],
-    "csd jsd b1": ["--loss", "csd", "--divergence", "jsd", "--beta", "1"],
-    "csd_1to1 kl": ["--loss", "csd_1to1", "--divergence", "kl"],
-    "csd kl b5": ["--loss", "csd", "--divergence", "kl", "--beta", "5"],
-    "csd jsd b5 top8": ["--loss", "csd", "--divergence", "jsd", "--beta", "5", "teacher_top_k=8"],
+    "csd_1to1 jsd": ["--loss", "csd_1to1", "--divergence", "jsd", "teacher_top_k=32"],
+    "csd jsd b5": ["--loss", "csd", "--divergence", "jsd", "--beta", "5", "teacher_top_k=32"],
+    "csd jsd b1": ["--loss", "csd", "--divergence", "jsd", "--beta", "1", "teacher_top_k=32"],
+    "csd_1to1 kl": ["--loss", "csd_1to1", "--divergence", "kl", "teacher_top_k=32"],
+    "csd kl b5": ["--loss", "csd", "--divergence", "kl", "--beta", "5", "teacher_top_k=32"],
+    "csd kl b1": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "teacher_top_k=32"],
     "csd kl b5 top8": ["--loss", "csd", "--divergence", "kl", "--beta", "5", "teacher_top_k=8"],
+    "csd_1to1 kl top128": ["--loss", "csd_1to1", "--divergence", "kl"],
+    "csd kl b1 top128": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
 }
+EVAL_EVERY = 30
 TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
-              "--save-every", "0", "--workers", "1", "progress=false"]
+              "--save-every", "0", "--workers", "1", "--eval-every", str(EVAL_EVERY), "progress=false"]
 
 
 def run(cmd: list, log: Path) -> None:
@@ -53,21 +61,23 @@ def run(cmd: list, log: Path) -> None:
 
 
 def prepare(regime: str, out: Path, log: Path) -> dict:
-    """Align train + held-out and store the teacher's top-32 once (top-8 arms keep the 8 most likely)."""
+    """Align train + held-out and store the teacher's top-128 once (other arms keep the most likely)."""
     spec = REGIMES[regime]
     pipeline = BIN / "csd-pipeline"
-    dirs = {name: out / regime / name for name in ("aligned", "heldout", "teacher32")}
+    dirs = {name: out / regime / name for name in ("aligned", "heldout")}
+    dirs["teacher"] = out / regime / f"teacher{STORED_TOP_K}"
     for name, corpus in (("aligned", spec["train"]), ("heldout", spec["heldout"])):
         run([pipeline, "align", "--corpus", corpus, "--student-tokenizer", "llama-spm", "--teacher-tokenizer", "smollm2",
              "--output", dirs[name], "--max-student-tokens", WINDOW, "--max-teacher-tokens", WINDOW, "--quiet"], log)
     run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct",
-         "--top-k", "32", "--output", dirs["teacher32"], "--quiet"], log)
+         "--top-k", str(STORED_TOP_K), "--output", dirs["teacher"], "--quiet"], log)
     return dirs
 
 
 def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path) -> dict:
-    teacher = dirs["teacher32"]
+    teacher = dirs["teacher"]
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
+    shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", teacher,
          "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,
@@ -77,7 +87,8 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     metrics = [json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = metrics[-10:]
     record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
-              "seconds": time.perf_counter() - started}
+              "seconds": time.perf_counter() - started, "args": ARMS[arm],
+              "curve": [[e["step"], e["bits_per_byte"]] for e in evals]}
     for key in ("teacher_event_mass", "student_rest_mass", "events_per_chunk", "ce", "kd", "grad_norm"):
         values = [float(m[key]) for m in tail if m.get(key) is not None]
         if values:
@@ -95,6 +106,7 @@ def teacher_score(dirs: dict, log: Path) -> float:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Per regime: the final held-out bits per byte of every run, and the held-out curves of seed 0."""
     try:
         import matplotlib
 
@@ -103,9 +115,10 @@ def plot(results: list[dict], path: Path) -> None:
     except ImportError:
         return
     regimes = sorted({r["regime"] for r in results})
-    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 4.5), squeeze=False)
-    for ax, regime in zip(axes[0], regimes):
+    fig, axes = plt.subplots(2, len(regimes), figsize=(6.5 * len(regimes), 9), squeeze=False)
+    for column, regime in enumerate(regimes):
         rows = [r for r in results if r["regime"] == regime]
+        ax = axes[0][column]
         labels = [f"{r['arm']} s{r['seed']}" for r in rows]
         ax.barh(labels, [r["bits_per_byte"] for r in rows], color=["#999999" if r["arm"] == "ce" else "#4477aa" for r in rows])
         ce = [r["bits_per_byte"] for r in rows if r["arm"] == "ce" and r["seed"] == 0]
@@ -114,6 +127,15 @@ def plot(results: list[dict], path: Path) -> None:
         lo = min(r["bits_per_byte"] for r in rows)
         ax.set_xlim(lo * 0.95, max(r["bits_per_byte"] for r in rows) * 1.02)
         ax.set(title=f"{regime}: held-out bits/byte (lower is better)")
+        ax = axes[1][column]
+        for r in rows:
+            if r["seed"] == 0 and r.get("curve"):
+                steps, values = zip(*r["curve"])
+                ax.plot(steps, values, label=r["arm"], color="black" if r["arm"] == "ce" else None,
+                        lw=2 if r["arm"] == "ce" else 1)
+        ax.set(title=f"{regime}: held-out bits/byte during training", xlabel="step", ylabel="bits/byte")
+        ax.set_ylim(lo * 0.97, lo * 1.35)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

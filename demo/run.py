@@ -29,7 +29,8 @@ STUDENT_TOKENIZER = "llama-spm"
 WINDOW = 256
 
 # The CSD arm's setting, chosen from `make bench-quality` (see README, "What CSD buys").
-CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "5"]
+CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "1"]
+TOP_K = 128
 TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
               "--seed", "0", "--save-every", "0", "--workers", "1"]
 
@@ -84,9 +85,9 @@ def main(argv: list[str]) -> int:
             "--max-student-tokens", str(WINDOW), "--max-teacher-tokens", str(WINDOW)])
     align_info = json.loads(sh([pipeline, "inspect", aligned, "--json"], capture=True))
 
-    print("\n== 3. teacher-logits: the teacher runs once, its top-32 are stored")
+    print(f"\n== 3. teacher-logits: the teacher runs once, its top-{TOP_K} are stored")
     teacher_dir = out / "teacher"
-    sh([pipeline, "teacher-logits", "--aligned", aligned, "--teacher", TEACHER, "--top-k", "32",
+    sh([pipeline, "teacher-logits", "--aligned", aligned, "--teacher", TEACHER, "--top-k", str(TOP_K),
         "--output", teacher_dir])
     teacher_info = json.loads(sh([pipeline, "inspect", teacher_dir, "--json"], capture=True))
 
