@@ -36,7 +36,7 @@ def diagnose(args) -> dict:
 
     from trainer.config import TrainConfig
     from trainer.data import TrainingData
-    from trainer.loop import _to_device
+    from trainer.loop import _to_device, kd_scale
     from trainer.model import StudentWithLoss, build_student
 
     config = TrainConfig(
@@ -60,7 +60,7 @@ def diagnose(args) -> dict:
             out = wrapper(**inputs, global_ce_tokens=tokens, global_chunk_counts=chunks,
                           teacher_weights=[1.0], divergence=divergence, beta=args.beta)
             ce, kd = out["ce"], out["kd"]
-            scale = float(ce.detach() / kd.detach())
+            scale = kd_scale(float(ce.detach()), float(kd.detach()), config)  # the trainer's dynamic scale
             g_ce = _flat_grad(wrapper, ce)
             g_kd = _flat_grad(wrapper, scale * kd)
             metrics = out["metrics"]
