@@ -7,11 +7,12 @@ Llama 2 SentencePiece tokenizer. Two regimes:
 - data-rich: `bench/corpus/rich-*` (~165k student training tokens), ~2 epochs.
 
 The teacher's top-128 is stored once per regime; arms that use fewer entries keep the most likely
-ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Arms: ce;
-csd_1to1 and csd under JSD (beta 5, the paper's defaults; beta 1) and forward KL (beta 5, beta 1),
-all with the top-32; csd with the top-8; csd_1to1 and csd with forward KL, beta 1 and the top-128;
-then ce and the best arm again with a second seed to show seed noise. Writes
-bench-results/quality.json (with each run's held-out curve) and quality.png.
+ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Default arms
+(DEFAULT_ARMS, about an hour on 2 CPU cores for both regimes): ce; csd_1to1 and csd under JSD with
+the top-32 (beta 5, the paper's defaults; beta 1); csd with forward KL, beta 5, top-32 and top-8;
+csd_1to1 and csd with forward KL, beta 1 and the top-128; then ce and the best arm again with a
+second seed to show seed noise. `--arms` also takes the extra arms of ARMS. Writes
+bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
 
     python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--out DIR]
 """
@@ -46,6 +47,8 @@ ARMS = {
     "csd_1to1 kl top128": ["--loss", "csd_1to1", "--divergence", "kl"],
     "csd kl b1 top128": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
 }
+DEFAULT_ARMS = ["ce", "csd_1to1 jsd", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
+                "csd_1to1 kl top128", "csd kl b1 top128"]
 EVAL_EVERY = 30
 TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
               "--save-every", "0", "--workers", "1", "--eval-every", str(EVAL_EVERY), "progress=false"]
@@ -153,6 +156,26 @@ def _save(results: list[dict], teachers: dict, results_dir: Path) -> None:
     path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
 
+def print_summary(results: list[dict], teachers: dict) -> None:
+    """The table: every run against CE (seed 0), then the mean of the arms run with several seeds."""
+    print(f"\n{'regime':<13} {'arm':<18} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
+    for regime in sorted({r['regime'] for r in results}):
+        ce = next(r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0)
+        print(f"{regime:<13} {'teacher':<18} {'':>4} {teachers[regime]:>10.4f}")
+        for r in (r for r in results if r["regime"] == regime):
+            print(f"{regime:<13} {r['arm']:<18} {r['seed']:>4} {r['bits_per_byte']:>10.4f} "
+                  f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}")
+        seeded = {}
+        for r in (r for r in results if r["regime"] == regime):
+            seeded.setdefault(r["arm"], []).append(r["bits_per_byte"])
+        if len(seeded.get("ce", [])) > 1:
+            ce_mean = sum(seeded["ce"]) / len(seeded["ce"])
+            for arm, values in seeded.items():
+                if len(values) > 1:
+                    mean = sum(values) / len(values)
+                    print(f"{regime:<13} {arm:<18} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench-quality")
@@ -165,13 +188,19 @@ def main(argv: list[str]) -> int:
     log = out / "commands.log"
     results_dir = ROOT / "bench-results"
     results_dir.mkdir(exist_ok=True)
-    arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(ARMS)
+    arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(DEFAULT_ARMS)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown arm(s) {unknown}; choose from {sorted(ARMS)}")
+    started = time.perf_counter()
     results, teachers = [], {}
     for regime in args.regime or list(REGIMES):
         steps = 20 if args.quick else REGIMES[regime]["steps"]
         print(f"[quality] {regime}: aligning and computing teacher top-k ...", flush=True)
+        prepared = time.perf_counter()
         dirs = prepare(regime, out, log)
         teachers[regime] = teacher_score(dirs, log)
+        print(f"[quality] {regime}: prepared in {time.perf_counter() - prepared:.0f} s", flush=True)
         rows = []
         for arm in arms:
             record = train_arm(regime, arm, 0, dirs, out, steps, log)
@@ -183,20 +212,16 @@ def main(argv: list[str]) -> int:
         for arm in ("ce", best["arm"]):
             record = train_arm(regime, arm, 1, dirs, out, steps, log)
             rows.append(record)
-            print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte", flush=True)
+            print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte "
+                  f"({record['seconds']:.0f} s)", flush=True)
         results.extend(rows)
         _save(results, teachers, results_dir)
     merged = json.loads((results_dir / "quality.json").read_text())  # every regime measured so far
     results, teachers = merged["results"], merged["teacher_bits_per_byte"]
     plot(results, results_dir / "quality.png")
-    print(f"\n{'regime':<13} {'arm':<18} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
-    for regime in sorted({r['regime'] for r in results}):
-        ce = next(r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0)
-        print(f"{regime:<13} {'teacher':<18} {'':>4} {teachers[regime]:>10.4f}")
-        for r in (r for r in results if r["regime"] == regime):
-            print(f"{regime:<13} {r['arm']:<18} {r['seed']:>4} {r['bits_per_byte']:>10.4f} "
-                  f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}")
-    print(f"\nwrote {results_dir / 'quality.json'} and {results_dir / 'quality.png'}")
+    print_summary(results, teachers)
+    print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; "
+          f"wrote {results_dir / 'quality.json'} and {results_dir / 'quality.png'}")
     return 0
 
 
