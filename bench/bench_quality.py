@@ -11,10 +11,12 @@ ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob gri
 (DEFAULT_ARMS, about an hour on 2 CPU cores for both regimes): ce; csd_1to1 and csd under JSD with
 the top-32 (beta 5, the paper's defaults; beta 1); csd with forward KL, beta 5, top-32 and top-8;
 csd_1to1 and csd with forward KL, beta 1 and the top-128; then ce and the best arm again with a
-second seed to show seed noise. `--arms` also takes the extra arms of ARMS. Writes
+second seed to show seed noise. `--arms` also takes the extra arms of ARMS; `--seeds 0,1,2` runs
+every chosen arm with each seed. A subset run adds its runs to quality.json, a full run replaces
+its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
 
-    python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--out DIR]
+    python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -144,14 +146,20 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _save(results: list[dict], teachers: dict, results_dir: Path) -> None:
-    """Write quality.json, keeping the results of regimes this run did not measure."""
-    path = results_dir / "quality.json"
-    measured = {r["regime"] for r in results} | set(teachers)
+def _save(results: list[dict], teachers: dict, path: Path, replace_regimes: bool) -> None:
+    """Write quality.json. A full run replaces the regimes it measured; a subset run (`--arms`,
+    `--seeds`) replaces only the runs it repeated (same regime, arm and seed) and keeps the others."""
     if path.is_file():
         previous = json.loads(path.read_text())
-        results = [r for r in previous.get("results", []) if r["regime"] not in measured] + results
-        teachers = {k: v for k, v in previous.get("teacher_bits_per_byte", {}).items() if k not in measured} | teachers
+        if replace_regimes:
+            measured = {r["regime"] for r in results} | set(teachers)
+            kept = [r for r in previous.get("results", []) if r["regime"] not in measured]
+            teachers = {k: v for k, v in previous.get("teacher_bits_per_byte", {}).items() if k not in measured} | teachers
+        else:
+            repeated = {(r["regime"], r["arm"], r["seed"]) for r in results}
+            kept = [r for r in previous.get("results", []) if (r["regime"], r["arm"], r["seed"]) not in repeated]
+            teachers = previous.get("teacher_bits_per_byte", {}) | teachers
+        results = kept + results
     summary = {"results": results, "teacher_bits_per_byte": teachers}
     path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
@@ -160,11 +168,13 @@ def print_summary(results: list[dict], teachers: dict) -> None:
     """The table: every run against CE (seed 0), then the mean of the arms run with several seeds."""
     print(f"\n{'regime':<13} {'arm':<18} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
     for regime in sorted({r['regime'] for r in results}):
-        ce = next(r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0)
-        print(f"{regime:<13} {'teacher':<18} {'':>4} {teachers[regime]:>10.4f}")
-        for r in (r for r in results if r["regime"] == regime):
-            print(f"{regime:<13} {r['arm']:<18} {r['seed']:>4} {r['bits_per_byte']:>10.4f} "
-                  f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}")
+        ce = next((r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0),
+                  None)
+        if regime in teachers:
+            print(f"{regime:<13} {'teacher':<18} {'':>4} {teachers[regime]:>10.4f}")
+        for r in sorted((r for r in results if r["regime"] == regime), key=lambda r: r["seed"]):
+            versus = f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}" if ce else ""
+            print(f"{regime:<13} {r['arm']:<18} {r['seed']:>4} {r['bits_per_byte']:>10.4f} {versus}")
         seeded = {}
         for r in (r for r in results if r["regime"] == regime):
             seeded.setdefault(r["arm"], []).append(r["bits_per_byte"])
@@ -181,17 +191,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="out/bench-quality")
     parser.add_argument("--regime", action="append", choices=sorted(REGIMES))
     parser.add_argument("--arms", help="comma-separated subset of the arms")
-    parser.add_argument("--quick", action="store_true", help="20 steps per arm (a smoke run, not a measurement)")
+    parser.add_argument("--seeds", help="comma-separated seeds to run every chosen arm with (default: seed 0, "
+                        "then ce and the best arm with seed 1)")
+    parser.add_argument("--quick", action="store_true", help="20 steps per arm (a smoke run, not a measurement; writes quality-quick.*)")
     args = parser.parse_args(argv)
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     log = out / "commands.log"
     results_dir = ROOT / "bench-results"
     results_dir.mkdir(exist_ok=True)
+    name = "quality-quick" if args.quick else "quality"  # a smoke run never mixes with measurements
+    summary_path, plot_path = results_dir / f"{name}.json", results_dir / f"{name}.png"
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(DEFAULT_ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"--arms: unknown arm(s) {unknown}; choose from {sorted(ARMS)}")
+    try:
+        seeds = [int(seed) for seed in args.seeds.split(",")] if args.seeds else [0]
+    except ValueError:
+        parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers, e.g. --seeds 0,1,2")
+    full = not args.arms and not args.seeds
     started = time.perf_counter()
     results, teachers = [], {}
     for regime in args.regime or list(REGIMES):
@@ -203,25 +222,27 @@ def main(argv: list[str]) -> int:
         print(f"[quality] {regime}: prepared in {time.perf_counter() - prepared:.0f} s", flush=True)
         rows = []
         for arm in arms:
-            record = train_arm(regime, arm, 0, dirs, out, steps, log)
-            rows.append(record)
-            _save(results + rows, teachers, results_dir)
-            print(f"[quality] {regime:<13} {arm:<18} seed 0: {record['bits_per_byte']:.4f} bits/byte "
-                  f"({record['seconds']:.0f} s)", flush=True)
-        best = min((r for r in rows if r["arm"] != "ce"), key=lambda r: r["bits_per_byte"])
-        for arm in ("ce", best["arm"]):
-            record = train_arm(regime, arm, 1, dirs, out, steps, log)
-            rows.append(record)
-            print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte "
-                  f"({record['seconds']:.0f} s)", flush=True)
+            for seed in seeds:
+                record = train_arm(regime, arm, seed, dirs, out, steps, log)
+                rows.append(record)
+                _save(results + rows, teachers, summary_path, full)
+                print(f"[quality] {regime:<13} {arm:<18} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
+                      f"({record['seconds']:.0f} s)", flush=True)
+        kd_rows = [r for r in rows if r["arm"] != "ce"]
+        if not args.seeds and kd_rows:  # show the seed noise on CE and the best arm
+            best = min(kd_rows, key=lambda r: r["bits_per_byte"])["arm"]
+            for arm in [a for a in ("ce", best) if a in arms]:
+                record = train_arm(regime, arm, 1, dirs, out, steps, log)
+                rows.append(record)
+                print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte "
+                      f"({record['seconds']:.0f} s)", flush=True)
         results.extend(rows)
-        _save(results, teachers, results_dir)
-    merged = json.loads((results_dir / "quality.json").read_text())  # every regime measured so far
+        _save(results, teachers, summary_path, full)
+    merged = json.loads(summary_path.read_text())  # every regime measured so far
     results, teachers = merged["results"], merged["teacher_bits_per_byte"]
-    plot(results, results_dir / "quality.png")
+    plot(results, plot_path)
     print_summary(results, teachers)
-    print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; "
-          f"wrote {results_dir / 'quality.json'} and {results_dir / 'quality.png'}")
+    print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {summary_path} and {plot_path}")
     return 0
 
 
