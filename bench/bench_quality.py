@@ -79,6 +79,10 @@ def prepare(regime: str, out: Path, log: Path) -> dict:
     return dirs
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path) -> dict:
     teacher = dirs["teacher"]
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
@@ -87,10 +91,9 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", teacher,
          "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"], *TRAIN_ARGS, *ARMS[arm]], log)
-    evals = [json.loads(line) for line in (target / "eval.jsonl").read_text().splitlines() if line.strip()]
+    evals = _read_jsonl(target / "eval.jsonl")
     final = [e for e in evals if e.get("step") == steps] or evals
-    metrics = [json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    tail = metrics[-10:]
+    tail = _read_jsonl(target / "metrics.jsonl")[-10:]
     record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
               "seconds": time.perf_counter() - started, "args": ARMS[arm],
               "curve": [[e["step"], e["bits_per_byte"]] for e in evals]}
@@ -220,22 +223,18 @@ def main(argv: list[str]) -> int:
         dirs = prepare(regime, out, log)
         teachers[regime] = teacher_score(dirs, log)
         print(f"[quality] {regime}: prepared in {time.perf_counter() - prepared:.0f} s", flush=True)
-        rows = []
-        for arm in arms:
-            for seed in seeds:
-                record = train_arm(regime, arm, seed, dirs, out, steps, log)
-                rows.append(record)
-                _save(results + rows, teachers, summary_path, full)
-                print(f"[quality] {regime:<13} {arm:<18} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
-                      f"({record['seconds']:.0f} s)", flush=True)
-        kd_rows = [r for r in rows if r["arm"] != "ce"]
-        if not args.seeds and kd_rows:  # show the seed noise on CE and the best arm
-            best = min(kd_rows, key=lambda r: r["bits_per_byte"])["arm"]
-            for arm in [a for a in ("ce", best) if a in arms]:
-                record = train_arm(regime, arm, 1, dirs, out, steps, log)
-                rows.append(record)
-                print(f"[quality] {regime:<13} {arm:<18} seed 1: {record['bits_per_byte']:.4f} bits/byte "
-                      f"({record['seconds']:.0f} s)", flush=True)
+        rows, plan = [], [(arm, seed) for arm in arms for seed in seeds]
+        while plan:
+            arm, seed = plan.pop(0)
+            record = train_arm(regime, arm, seed, dirs, out, steps, log)
+            rows.append(record)
+            _save(results + rows, teachers, summary_path, full)
+            print(f"[quality] {regime:<13} {arm:<18} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
+                  f"({record['seconds']:.0f} s)", flush=True)
+            kd_rows = [r for r in rows if r["arm"] != "ce"]
+            if not plan and not args.seeds and seed == 0 and kd_rows:  # seed noise on CE and the best arm
+                best = min(kd_rows, key=lambda r: r["bits_per_byte"])["arm"]
+                plan = [(a, 1) for a in ("ce", best) if a in arms]
         results.extend(rows)
         _save(results, teachers, summary_path, full)
     merged = json.loads(summary_path.read_text())  # every regime measured so far
