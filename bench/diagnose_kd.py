@@ -58,7 +58,8 @@ def diagnose(args) -> dict:
         chunks = [sum(batch.shape_counts[0])]
         for divergence in ("jsd", "kl"):
             out = wrapper(**inputs, global_ce_tokens=tokens, global_chunk_counts=chunks,
-                          teacher_weights=[1.0], divergence=divergence, beta=args.beta)
+                          teacher_weights=[1.0], divergence=divergence, beta=args.beta,
+                          teacher_temperature=args.teacher_temperature)
             ce, kd = out["ce"], out["kd"]
             scale = kd_scale(float(ce.detach()), float(kd.detach()), config)  # the trainer's dynamic scale
             g_ce = _flat_grad(wrapper, ce)
@@ -89,6 +90,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--beta", type=float, default=5.0)
     parser.add_argument("--teacher-top-k", type=int, default=0)
+    parser.add_argument("--teacher-temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)

@@ -298,6 +298,7 @@ def csd_divergence(
     divergence: str = "jsd",
     beta: float = 5.0,
     teacher_rest_floor: float = 0.0,
+    teacher_temperature: float = 1.0,
 ) -> KdTerm:
     """Weighted sum of D(P_T^c, P_S^c) over the chunks of `events` (SPEC §5).
 
@@ -307,12 +308,16 @@ def csd_divergence(
     logsumexp of its final gathers; REST = 1 - sum of events (both sides). Weighted by 1 for 1:1
     chunks and `beta` otherwise. `teacher_rest_floor` (default 0: exact) lower-bounds the teacher's
     REST probability, which only matters for reverse KL when the stored top-k already carries all
-    the mass. Returns a KdTerm. Raises CsdError for an unknown divergence.
+    the mass. `teacher_temperature` T (default 1: the paper's) softens the teacher's chunk
+    distribution, events and REST together: P_T(e)^(1/T), renormalised over the chunk. Returns a
+    KdTerm. Raises CsdError for an unknown divergence or a temperature that is not positive.
     """
     import torch
 
     if divergence not in DIVERGENCES:
         raise CsdError(f"unknown divergence {divergence!r}; choose one of {', '.join(DIVERGENCES)}.")
+    if not (teacher_temperature > 0 and math.isfinite(teacher_temperature)):
+        raise CsdError(f"teacher temperature must be a positive number, got {teacher_temperature}")
     n_chunks = int(events.num_chunks)
     n_events = int(events.event_chunk.shape[0])
     dtype = final_logprobs.dtype
@@ -333,7 +338,11 @@ def csd_divergence(
     if teacher_rest_floor > 0:
         log_rest_t = torch.clamp(log_rest_t, min=math.log(teacher_rest_floor))
     entry_chunk = torch.cat([chunk_of_event, torch.arange(n_chunks, device=device)])
-    terms = divergence_terms(torch.cat([log_qt, log_rest_t]), torch.cat([log_qs, log_rest_s]), divergence)
+    log_pt = torch.cat([log_qt, log_rest_t])
+    if teacher_temperature != 1.0:
+        log_pt = log_pt / teacher_temperature
+        log_pt = log_pt - segment_logsumexp(log_pt, entry_chunk, n_chunks)[entry_chunk]
+    terms = divergence_terms(log_pt, torch.cat([log_qs, log_rest_s]), divergence)
     per_chunk = torch.zeros(n_chunks, dtype=dtype, device=device).index_add(0, entry_chunk, terms)
     is_one_to_one = events.chunk_shape == 0
     chunk_weight = torch.where(
@@ -444,6 +453,7 @@ def csd_loss(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     kd_scale: torch.Tensor | float | None = None,
     teacher_rest_floor: float = 0.0,
+    teacher_temperature: float = 1.0,
 ) -> LossOutput:
     """CE + CSD for one batch, from the student's last hidden states and LM head (or logits).
 
@@ -485,6 +495,7 @@ def csd_loss(
             divergence=divergence,
             beta=beta,
             teacher_rest_floor=teacher_rest_floor,
+            teacher_temperature=teacher_temperature,
         )
         for i, ev in enumerate(teachers)
     ]

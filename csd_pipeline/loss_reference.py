@@ -156,14 +156,20 @@ class ReferenceChunk:
     chain_s: Any  # student chain probability (0-dim tensor)
     final_s: Any  # [K] student final-token class probabilities
 
-    def distributions(self):
-        """(P_T, P_S): q(k) = chain x final(k) for the K events, then REST = 1 - sum."""
+    def distributions(self, teacher_temperature: float = 1.0):
+        """(P_T, P_S): q(k) = chain x final(k) for the K events, then REST = 1 - sum.
+
+        teacher_temperature T: P_T becomes P_T^(1/T) / sum(P_T^(1/T)) (REST included).
+        """
         import torch
 
         q_t = self.chain_t * self.final_t
         q_s = self.chain_s * self.final_s
         p_t = torch.cat([q_t, torch.clamp(1 - q_t.sum(), min=0).reshape(1)])
         p_s = torch.cat([q_s, torch.clamp(1 - q_s.sum(), min=0).reshape(1)])
+        if teacher_temperature != 1.0:
+            p_t = p_t ** (1.0 / teacher_temperature)
+            p_t = p_t / p_t.sum()
         return p_t, p_s
 
 
@@ -291,6 +297,7 @@ def reference_loss(
     only_1to1: bool = False,
     global_ce_tokens: float | None = None,
     global_chunk_counts: list[float] | None = None,
+    teacher_temperature: float = 1.0,
 ) -> dict:
     """The CSD loss of a batch from dense student logits (one [Ts, Vs] float64 tensor per row).
 
@@ -322,7 +329,7 @@ def reference_loss(
             for chunk in reference_chunk_distributions(
                 probs_row, row, i, t_row, student_vocab, teacher.vocab, spelling=spelling, only_1to1=only_1to1
             ):
-                d = _divergence(*chunk.distributions(), divergence)
+                d = _divergence(*chunk.distributions(teacher_temperature), divergence)
                 total = total + (d if chunk.shape == "1:1" else beta * d)
                 count += 1
         denom = count if global_chunk_counts is None else global_chunk_counts[i]

@@ -397,6 +397,42 @@ def test_beta_and_only_1to1(case_of):
     assert float(one - d11) > 0
 
 
+@pytest.mark.parametrize(("divergence", "temperature"), [("kl", 1.5), ("jsd", 0.7), ("reverse_kl", 2.0)])
+def test_teacher_temperature_matches_reference(case_of, divergence, temperature):
+    """The tempered teacher chunk distribution (events and REST, P^(1/T) renormalised) equals the
+    float64 reference in loss and gradient, and T = 1 is the untempered loss."""
+    case = case_of("llama-spm/gpt-2")
+    rows, teachers = case.teacher_rows("topk")
+    batch, (cp, ct) = case.events(rows, teachers)
+    logits = torch.cat([h @ case.weight.T for h in case.hidden]).requires_grad_(True)
+    out = csd_loss(logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
+                   beta=2.0, teacher_temperature=temperature)
+    out.loss.backward()
+    ref_logits = [(h @ case.weight.T).requires_grad_(True) for h in case.hidden]
+    ref = reference_loss(ref_logits, rows, case.s_ref, [ReferenceTeacher(case.t_ref, teachers)],
+                         divergence=divergence, beta=2.0, teacher_temperature=temperature)
+    ref["loss"].backward()
+    g_ref = torch.cat([x.grad for x in ref_logits])
+    assert _close(out.kd, ref["kd"]) and _close(out.loss, ref["loss"])
+    assert float((logits.grad - g_ref).abs().max()) <= TOL
+    plain = csd_loss(logits=logits.detach(), ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
+                     beta=2.0)
+    one = csd_loss(logits=logits.detach(), ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
+                   beta=2.0, teacher_temperature=1.0)
+    assert _f(one.kd) == _f(plain.kd)
+    assert abs(_f(plain.kd) - _f(out.kd)) > 1e-3  # the temperature changes the target
+
+
+def test_teacher_temperature_must_be_positive(case_of):
+    case = case_of("llama-spm/gpt-2")
+    rows, teachers = case.teacher_rows("topk")
+    batch, (cp, ct) = case.events(rows, teachers)
+    logits = torch.cat([h @ case.weight.T for h in case.hidden])
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(CsdError, match="temperature"):
+            csd_loss(logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], teacher_temperature=bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # Chunked student log-probabilities
 

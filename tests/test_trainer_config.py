@@ -36,6 +36,8 @@ def test_sources_apply_in_order(tmp_path):
         (["--divergence", "tv"], "--divergence"),
         (["--kd-scale", "auto"], "--kd-scale"),
         (["--kd-weight", "-1"], "--kd-weight"),
+        (["--teacher-temperature", "0"], "--teacher-temperature"),
+        (["teacher_temperature=-2"], "--teacher-temperature"),
         (["--bogus", "1"], "bogus"),
         (["lr=-1"], "--lr"),
         (["--loss", "csd"], "--teacher-logits"),

@@ -10,6 +10,7 @@ appends). Errors name the option to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ TRAJECTORY_KEYS = (
     "aligned", "teacher_logits", "student", "student_config", "student_tokenizer", "seq_len",
     "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_eps", "grad_clip", "seed", "loss", "divergence", "beta", "kd_scale", "kd_weight", "kd_teachers",
-    "spelling", "teacher_top_k", "shuffle_block", "dtype",
+    "teacher_temperature", "spelling", "teacher_top_k", "shuffle_block", "dtype",
 )
 
 
@@ -76,6 +77,8 @@ class TrainConfig:
     kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD",
                          choices=KD_SCALES)
     kd_weight: float = _opt(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)")
+    teacher_temperature: float = _opt(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
+                                           "P^(1/T), renormalised (1: the paper's)")
     spelling: str = _opt("sum", "tokens with equal bytes: sum their probabilities or exclude them",
                          choices=SPELLINGS)
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
@@ -133,6 +136,8 @@ class TrainConfig:
         if any(getattr(self, n) < 0 for n in nonnegative):
             bad = next(n for n in nonnegative if getattr(self, n) < 0)
             raise CsdError(f"--{_flag(bad)} must be 0 or more, got {getattr(self, bad)}")
+        if not (self.teacher_temperature > 0 and math.isfinite(self.teacher_temperature)):
+            raise CsdError(f"--teacher-temperature must be a positive number, got {self.teacher_temperature}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise CsdError(f"--{_flag(name)} must be within [0, 1), got {getattr(self, name)}")

@@ -217,6 +217,7 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         inputs = _to_device(batch, ctx.device)
         out = wrapper(**inputs, global_ce_tokens=ce_tokens, global_chunk_counts=chunk_counts,
                       teacher_weights=teacher_weights, divergence=config.divergence, beta=config.beta,
+                      teacher_temperature=config.teacher_temperature,
                       chunk_size=config.loss_chunk_size or None)
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]

@@ -50,7 +50,7 @@ class StudentWithLoss(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *,
                 global_ce_tokens, global_chunk_counts=None, teacher_weights=None,
-                divergence="jsd", beta=5.0, chunk_size=1024):
+                divergence="jsd", beta=5.0, teacher_temperature=1.0, chunk_size=1024):
         from csd_pipeline.loss import csd_loss
 
         hidden = self.model.get_decoder()(
@@ -62,7 +62,7 @@ class StudentWithLoss(torch.nn.Module):
             ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden, weight=weight,
             teacher_weights=teacher_weights, global_ce_tokens=global_ce_tokens,
             global_chunk_counts=global_chunk_counts, divergence=divergence, beta=beta,
-            chunk_size=chunk_size, kd_scale=0.0,
+            teacher_temperature=teacher_temperature, chunk_size=chunk_size, kd_scale=0.0,
         )
         return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
 
