@@ -87,6 +87,32 @@ def test_kd_scale_and_weight_set_the_kd_multiplier(trainer_data, trainer_teacher
     assert row["loss"] == pytest.approx(row["ce"] + expected * row["kd"], rel=1e-12)
 
 
+@pytest.mark.slow
+def test_teacher_temperature_reaches_the_loss(trainer_data, trainer_teacher, csd_run, tmp_path):
+    """`--teacher-temperature` changes the first step's KD (not its CE) to the direct loss's value."""
+    from csd_pipeline.loss import csd_loss
+    from trainer.data import TrainingData
+    from trainer.model import build_student
+
+    output = tmp_path / "run"
+    config = parse_args(args(trainer_data, trainer_teacher, output, "--steps", "1", "--teacher-temperature", "1.5"))
+    train(config)
+    row, reference = metrics(output)[0], metrics(csd_run)[0]
+    assert row["ce"] == reference["ce"] and row["kd"] != pytest.approx(reference["kd"], rel=1e-3)
+    data = TrainingData.open(config)
+    loader = data.loader(0, 1, None)
+    batch = next(loader)
+    loader.close()
+    model = build_student(config, data.student_vocab.size)
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
+                       use_cache=False).logits
+    out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
+                   logits=logits.reshape(-1, logits.shape[-1]).double(),
+                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.beta, teacher_temperature=1.5)
+    assert row["kd"] == pytest.approx(float(out.kd), rel=1e-4)
+
+
 def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, trainer_teacher, tmp_path):
     forged = tmp_path / "topk"
     shutil.copytree(trainer_teacher, forged)
