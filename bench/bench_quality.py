@@ -10,8 +10,8 @@ The teacher's top-128 is stored once per regime; arms that use fewer entries kee
 ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Default arms
 (DEFAULT_ARMS, about an hour on 2 CPU cores for both regimes): ce; csd_1to1 and csd under JSD with
 the top-32 (beta 5, the paper's defaults; beta 1); csd with forward KL, beta 5, top-32 and top-8;
-csd_1to1 and csd with forward KL, beta 1 and the top-128; then ce and the best arm again with a
-second seed to show seed noise. `--arms` also takes the extra arms of ARMS; `--seeds 0,1,2` runs
+csd_1to1 and csd with forward KL, beta 1, the top-128 and teacher temperature 1.5; then ce and the
+best arm again with a second seed to show seed noise. `--arms` also takes the extra arms of ARMS; `--seeds 0,1,2` runs
 every chosen arm with each seed. A subset run adds its runs to quality.json, a full run replaces
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
@@ -48,9 +48,11 @@ ARMS = {
     "csd kl b5 top8": ["--loss", "csd", "--divergence", "kl", "--beta", "5", "teacher_top_k=8"],
     "csd_1to1 kl top128": ["--loss", "csd_1to1", "--divergence", "kl"],
     "csd kl b1 top128": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
+    "csd_1to1 kl top128 t1.5": ["--loss", "csd_1to1", "--divergence", "kl", "--teacher-temperature", "1.5"],
+    "csd kl b1 top128 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
 }
 DEFAULT_ARMS = ["ce", "csd_1to1 jsd", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
-                "csd_1to1 kl top128", "csd kl b1 top128"]
+                "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
 EVAL_EVERY = 30
 TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
               "--save-every", "0", "--workers", "1", "--eval-every", str(EVAL_EVERY), "progress=false"]
@@ -169,15 +171,15 @@ def _save(results: list[dict], teachers: dict, path: Path, replace_regimes: bool
 
 def print_summary(results: list[dict], teachers: dict) -> None:
     """The table: every run against CE (seed 0), then the mean of the arms run with several seeds."""
-    print(f"\n{'regime':<13} {'arm':<18} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
+    print(f"\n{'regime':<13} {'arm':<24} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
     for regime in sorted({r['regime'] for r in results}):
         ce = next((r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0),
                   None)
         if regime in teachers:
-            print(f"{regime:<13} {'teacher':<18} {'':>4} {teachers[regime]:>10.4f}")
+            print(f"{regime:<13} {'teacher':<24} {'':>4} {teachers[regime]:>10.4f}")
         for r in sorted((r for r in results if r["regime"] == regime), key=lambda r: r["seed"]):
             versus = f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}" if ce else ""
-            print(f"{regime:<13} {r['arm']:<18} {r['seed']:>4} {r['bits_per_byte']:>10.4f} {versus}")
+            print(f"{regime:<13} {r['arm']:<24} {r['seed']:>4} {r['bits_per_byte']:>10.4f} {versus}")
         seeded = {}
         for r in (r for r in results if r["regime"] == regime):
             seeded.setdefault(r["arm"], []).append(r["bits_per_byte"])
@@ -186,7 +188,7 @@ def print_summary(results: list[dict], teachers: dict) -> None:
             for arm, values in seeded.items():
                 if len(values) > 1:
                     mean = sum(values) / len(values)
-                    print(f"{regime:<13} {arm:<18} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
+                    print(f"{regime:<13} {arm:<24} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
 
 
 def main(argv: list[str]) -> int:
@@ -229,7 +231,7 @@ def main(argv: list[str]) -> int:
             record = train_arm(regime, arm, seed, dirs, out, steps, log)
             rows.append(record)
             _save(results + rows, teachers, summary_path, full)
-            print(f"[quality] {regime:<13} {arm:<18} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
+            print(f"[quality] {regime:<13} {arm:<24} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
                   f"({record['seconds']:.0f} s)", flush=True)
             kd_rows = [r for r in rows if r["arm"] != "ce"]
             if not plan and not args.seeds and seed == 0 and kd_rows:  # seed noise on CE and the best arm

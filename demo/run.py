@@ -29,7 +29,7 @@ STUDENT_TOKENIZER = "llama-spm"
 WINDOW = 256
 
 # The CSD arm's setting, chosen from `make bench-quality` (see README, "What CSD buys").
-CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "1"]
+CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"]
 TOP_K = 128
 TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "8", "--lr", "3e-3", "--warmup-steps", "20",
               "--seed", "0", "--save-every", "0", "--workers", "1"]
