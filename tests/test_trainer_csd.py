@@ -24,6 +24,26 @@ def metrics(output) -> list[dict]:
     return [json.loads(line) for line in open(output / "metrics.jsonl", encoding="utf-8")]
 
 
+def direct_first_batch_loss(config, **loss_options):
+    """The loss of the run's first batch at its initial weights: dense float64 logits, no FSDP."""
+    from csd_pipeline.loss import csd_loss
+    from trainer.data import TrainingData
+    from trainer.model import build_student
+
+    data = TrainingData.open(config)
+    loader = data.loader(0, 1, None)
+    batch = next(loader)
+    loader.close()
+    model = build_student(config, data.student_vocab.size)
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
+                       use_cache=False).logits
+    out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
+                   logits=logits.reshape(-1, logits.shape[-1]).double(),
+                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.beta, **loss_options)
+    return out, batch
+
+
 @pytest.fixture(scope="module")
 def csd_run(trainer_data, trainer_teacher, tmp_path_factory):
     before = torch.get_num_threads()
@@ -36,10 +56,6 @@ def csd_run(trainer_data, trainer_teacher, tmp_path_factory):
 
 @pytest.mark.slow
 def test_csd_steps_match_a_direct_loss_on_the_same_batch(trainer_data, trainer_teacher, csd_run):
-    from csd_pipeline.loss import csd_loss
-    from trainer.data import TrainingData
-    from trainer.model import build_student
-
     rows = metrics(csd_run)
     first = rows[0]
     assert first["kd"] > 0 and first["chunks_1to1"] > 0 and first["chunks_Mto1"] + first["chunks_1toN"] > 0
@@ -47,18 +63,7 @@ def test_csd_steps_match_a_direct_loss_on_the_same_batch(trainer_data, trainer_t
         assert row["loss"] == pytest.approx(2 * row["ce"], rel=1e-12)
         assert 0 < row["teacher_event_mass"] <= 1 and 0 <= row["student_rest_mass"] <= 1
     # independent path: the same first batch, the same initial weights, dense logits, no FSDP
-    config = parse_args(args(trainer_data, trainer_teacher, csd_run))
-    data = TrainingData.open(config)
-    loader = data.loader(0, 1, None)
-    batch = next(loader)
-    loader.close()
-    model = build_student(config, data.student_vocab.size)
-    with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
-                       use_cache=False).logits
-    out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
-                   logits=logits.reshape(-1, logits.shape[-1]).double(),
-                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.beta)
+    out, batch = direct_first_batch_loss(parse_args(args(trainer_data, trainer_teacher, csd_run)))
     assert first["ce"] == pytest.approx(float(out.ce), rel=1e-5)
     assert first["kd"] == pytest.approx(float(out.kd), rel=1e-4)
     assert first["chunks_1to1"] == batch.shape_counts[0][0]
@@ -90,26 +95,12 @@ def test_kd_scale_and_weight_set_the_kd_multiplier(trainer_data, trainer_teacher
 @pytest.mark.slow
 def test_teacher_temperature_reaches_the_loss(trainer_data, trainer_teacher, csd_run, tmp_path):
     """`--teacher-temperature` changes the first step's KD (not its CE) to the direct loss's value."""
-    from csd_pipeline.loss import csd_loss
-    from trainer.data import TrainingData
-    from trainer.model import build_student
-
     output = tmp_path / "run"
     config = parse_args(args(trainer_data, trainer_teacher, output, "--steps", "1", "--teacher-temperature", "1.5"))
     train(config)
     row, reference = metrics(output)[0], metrics(csd_run)[0]
     assert row["ce"] == reference["ce"] and row["kd"] != pytest.approx(reference["kd"], rel=1e-3)
-    data = TrainingData.open(config)
-    loader = data.loader(0, 1, None)
-    batch = next(loader)
-    loader.close()
-    model = build_student(config, data.student_vocab.size)
-    with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
-                       use_cache=False).logits
-    out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
-                   logits=logits.reshape(-1, logits.shape[-1]).double(),
-                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.beta, teacher_temperature=1.5)
+    out, _ = direct_first_batch_loss(config, teacher_temperature=1.5)
     assert row["kd"] == pytest.approx(float(out.kd), rel=1e-4)
 
 
