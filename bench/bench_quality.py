@@ -51,6 +51,7 @@ ARMS = {
     "csd_1to1 kl top128 t1.5": ["--loss", "csd_1to1", "--divergence", "kl", "--teacher-temperature", "1.5"],
     "csd kl b1 top128 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
 }
+ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd_1to1 jsd", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
                 "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
 EVAL_EVERY = 30
@@ -171,15 +172,15 @@ def _save(results: list[dict], teachers: dict, path: Path, replace_regimes: bool
 
 def print_summary(results: list[dict], teachers: dict) -> None:
     """The table: every run against CE (seed 0), then the mean of the arms run with several seeds."""
-    print(f"\n{'regime':<13} {'arm':<24} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
+    print(f"\n{'regime':<13} {'arm':<{ARM_WIDTH}} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
     for regime in sorted({r['regime'] for r in results}):
         ce = next((r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0),
                   None)
         if regime in teachers:
-            print(f"{regime:<13} {'teacher':<24} {'':>4} {teachers[regime]:>10.4f}")
+            print(f"{regime:<13} {'teacher':<{ARM_WIDTH}} {'':>4} {teachers[regime]:>10.4f}")
         for r in sorted((r for r in results if r["regime"] == regime), key=lambda r: r["seed"]):
             versus = f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}" if ce else ""
-            print(f"{regime:<13} {r['arm']:<24} {r['seed']:>4} {r['bits_per_byte']:>10.4f} {versus}")
+            print(f"{regime:<13} {r['arm']:<{ARM_WIDTH}} {r['seed']:>4} {r['bits_per_byte']:>10.4f} {versus}")
         seeded = {}
         for r in (r for r in results if r["regime"] == regime):
             seeded.setdefault(r["arm"], []).append(r["bits_per_byte"])
@@ -188,7 +189,7 @@ def print_summary(results: list[dict], teachers: dict) -> None:
             for arm, values in seeded.items():
                 if len(values) > 1:
                     mean = sum(values) / len(values)
-                    print(f"{regime:<13} {arm:<24} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
+                    print(f"{regime:<13} {arm:<{ARM_WIDTH}} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
 
 
 def main(argv: list[str]) -> int:
@@ -231,7 +232,7 @@ def main(argv: list[str]) -> int:
             record = train_arm(regime, arm, seed, dirs, out, steps, log)
             rows.append(record)
             _save(results + rows, teachers, summary_path, full)
-            print(f"[quality] {regime:<13} {arm:<24} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
+            print(f"[quality] {regime:<13} {arm:<{ARM_WIDTH}} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
                   f"({record['seconds']:.0f} s)", flush=True)
             kd_rows = [r for r in rows if r["arm"] != "ce"]
             if not plan and not args.seeds and seed == 0 and kd_rows:  # seed noise on CE and the best arm

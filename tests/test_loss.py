@@ -194,23 +194,34 @@ def test_loss_and_gradient_match_reference(case_of, combo):
     assert float((g_w - ref_w).abs().max()) <= TOL * max(1.0, float(ref_w.abs().max()))
 
 
-def test_gradient_wrt_logits_matches_reference(case_of):
-    """The dense-logits path: d loss / d logits equals the reference's, entry by entry."""
-    case = case_of("llama-spm/gpt-2")
+def _dense_against_reference(case: Case, **options):
+    """The dense-logits path and the reference on the top-k rows of `case` with the same loss options.
+
+    Returns a namespace: out, ref, batch, targets (CE positions, tokens), logits, grad and ref_grad
+    (both d loss / d logits).
+    """
+    from types import SimpleNamespace
+
     rows, teachers = case.teacher_rows("topk")
     batch, (cp, ct) = case.events(rows, teachers)
     logits = torch.cat([h @ case.weight.T for h in case.hidden]).requires_grad_(True)
-    out = csd_loss(logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence="jsd")
+    out = csd_loss(logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], **options)
     out.loss.backward()
     ref_logits = [(h @ case.weight.T).requires_grad_(True) for h in case.hidden]
-    ref = reference_loss(ref_logits, rows, case.s_ref, [ReferenceTeacher(case.t_ref, teachers)], divergence="jsd")
+    ref = reference_loss(ref_logits, rows, case.s_ref, [ReferenceTeacher(case.t_ref, teachers)], **options)
     ref["loss"].backward()
-    g_ref = torch.cat([x.grad for x in ref_logits])
-    assert _close(out.kd, ref["kd"])
-    assert float((logits.grad - g_ref).abs().max()) <= TOL
+    return SimpleNamespace(out=out, ref=ref, batch=batch, targets=(cp, ct), logits=logits.detach(), grad=logits.grad,
+                           ref_grad=torch.cat([x.grad for x in ref_logits]))
+
+
+def test_gradient_wrt_logits_matches_reference(case_of):
+    """The dense-logits path: d loss / d logits equals the reference's, entry by entry."""
+    run = _dense_against_reference(case_of("llama-spm/gpt-2"), divergence="jsd")
+    assert _close(run.out.kd, run.ref["kd"])
+    assert float((run.grad - run.ref_grad).abs().max()) <= TOL
     # The student's gradient reaches chain positions (not only final positions).
-    chain_rows = torch.as_tensor(np.unique(batch.chain_pos))
-    assert float(logits.grad[chain_rows].abs().sum()) > 0
+    chain_rows = torch.as_tensor(np.unique(run.batch.chain_pos))
+    assert float(run.grad[chain_rows].abs().sum()) > 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,23 +412,14 @@ def test_beta_and_only_1to1(case_of):
 def test_teacher_temperature_matches_reference(case_of, divergence, temperature):
     """The tempered teacher chunk distribution (events and REST, P^(1/T) renormalised) equals the
     float64 reference in loss and gradient, and T = 1 is the untempered loss."""
-    case = case_of("llama-spm/gpt-2")
-    rows, teachers = case.teacher_rows("topk")
-    batch, (cp, ct) = case.events(rows, teachers)
-    logits = torch.cat([h @ case.weight.T for h in case.hidden]).requires_grad_(True)
-    out = csd_loss(logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
-                   beta=2.0, teacher_temperature=temperature)
-    out.loss.backward()
-    ref_logits = [(h @ case.weight.T).requires_grad_(True) for h in case.hidden]
-    ref = reference_loss(ref_logits, rows, case.s_ref, [ReferenceTeacher(case.t_ref, teachers)],
-                         divergence=divergence, beta=2.0, teacher_temperature=temperature)
-    ref["loss"].backward()
-    g_ref = torch.cat([x.grad for x in ref_logits])
+    run = _dense_against_reference(case_of("llama-spm/gpt-2"), divergence=divergence, beta=2.0,
+                                   teacher_temperature=temperature)
+    out, ref = run.out, run.ref
     assert _close(out.kd, ref["kd"]) and _close(out.loss, ref["loss"])
-    assert float((logits.grad - g_ref).abs().max()) <= TOL
-    plain = csd_loss(logits=logits.detach(), ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
-                     beta=2.0)
-    one = csd_loss(logits=logits.detach(), ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
+    assert float((run.grad - run.ref_grad).abs().max()) <= TOL
+    (cp, ct), batch = run.targets, run.batch
+    plain = csd_loss(logits=run.logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence, beta=2.0)
+    one = csd_loss(logits=run.logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], divergence=divergence,
                    beta=2.0, teacher_temperature=1.0)
     assert _f(one.kd) == _f(plain.kd)
     assert abs(_f(plain.kd) - _f(out.kd)) > 1e-3  # the temperature changes the target
