@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 fixtures: venv
-	$(PY) -m csd_pipeline.fixtures
+	$(VENV)/bin/csd-pipeline fixtures
 
 test: fixtures
 	$(PY) -m pytest -q tests

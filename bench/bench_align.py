@@ -56,7 +56,7 @@ def _cut_at_blank_line(data: bytes, size: int) -> bytes:
 
 
 def _documents(path: Path) -> list[str]:
-    from csd_pipeline.corpus import ReadOptions, discover, read_segment
+    from csd_pipeline.align.corpus import ReadOptions, discover, read_segment
 
     file = discover([str(path)])[0]
     return [d.text for d in read_segment(file, {"first": 0, "count": 1 << 60, "offset": 0}, ReadOptions(split_on_blank_lines=True))
@@ -86,7 +86,7 @@ def _floor_seconds(bundles, texts: list[str], method: str = "encode_batch") -> f
 
 
 def _config(corpus: Path, out: Path, tables: list[tuple[str, str]]):
-    from csd_pipeline.align_stage import AlignConfig
+    from csd_pipeline.align.stage import AlignConfig
 
     return AlignConfig(corpus=[str(corpus)], student_tokenizer=STUDENT, teacher_tokenizers=[TEACHER], output=str(out),
                        split_on_blank_lines=True, shard_bytes=int(SHARD_MB * (1 << 20)), batch_bytes=BATCH_BYTES,
@@ -101,8 +101,8 @@ def _shard_hashes(out: Path) -> dict:
 _MEMORY_CHILD = """
 import json, os, sys, threading, time
 sys.path.insert(0, {root!r})
-from csd_pipeline.align_stage import AlignConfig, load_bundle, run_align
-from csd_pipeline.fixtures import tokenizer_path
+from csd_pipeline.align.stage import AlignConfig, load_bundle, run_align
+from csd_pipeline.fixtures.names import tokenizer_path
 
 def rss_mb():
     with open("/proc/self/statm") as handle:
@@ -137,9 +137,9 @@ def _memory_mb(corpus: Path, out: Path, tables) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    from csd_pipeline.align_stage import load_bundle, run_align
-    from csd_pipeline.fixtures import tokenizer_path
-    from csd_pipeline.tables import build_table
+    from csd_pipeline.align.stage import load_bundle, run_align
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.vocab.tables import build_table
 
     with tempfile.TemporaryDirectory(prefix="bench-align-") as tmp_name:
         tmp = Path(tmp_name)

@@ -49,11 +49,11 @@ def _mask_exact(rows: list[dict], records: list[dict], vocab, eot: int) -> float
 
 
 def run(quick: bool = False) -> dict:
-    from csd_pipeline.align_stage import load_bundle
-    from csd_pipeline.chat import ChatOptions
-    from csd_pipeline.chat_align import ChatAligner
-    from csd_pipeline.corpus import Document
-    from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.align.stage import load_bundle
+    from csd_pipeline.align.chat_render import ChatOptions
+    from csd_pipeline.align.chat_mode import ChatAligner
+    from csd_pipeline.align.corpus import Document
+    from csd_pipeline.fixtures.names import tokenizer_path
 
     records, note = _records(quick)
     start = time.perf_counter()

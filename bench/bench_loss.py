@@ -34,10 +34,10 @@ TOP_K = 32
 
 def _aligned_rows(total_tokens: int, quick: bool):
     """Aligned llama-bpe / qwen2 rows of real text with >= total_tokens student tokens."""
-    from csd_pipeline.events import EventContext
-    from csd_pipeline.fixtures import tokenizer_path
-    from csd_pipeline.tables import build_table
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.loss.events import EventContext
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.vocab.tables import build_table
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
     from tests.csd_cases import aligned_row
 
     student = load_tokenizer(str(tokenizer_path("llama-bpe")))
@@ -99,7 +99,7 @@ def _synthetic_topk(row: dict, rng, vocab: int) -> dict:
 def _build_events(positions: int, quick: bool) -> tuple[dict, dict]:
     import numpy as np
 
-    from csd_pipeline.events import build_row_events, ce_targets, collate_events
+    from csd_pipeline.loss.events import build_row_events, ce_targets, collate_events
 
     context, rows = _aligned_rows(positions, quick)
     rng = np.random.default_rng(0)

@@ -21,7 +21,7 @@ LIMIT_RATIO = 5.0
 def _floor_seconds(student: str, teacher: str) -> float:
     from tokenizers import Tokenizer
 
-    from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.fixtures.names import tokenizer_path
 
     toks = {n: Tokenizer.from_file(str(tokenizer_path(n) / "tokenizer.json")) for n in (student, teacher)}
     texts = {n: [t.decode([i]) for i in range(t.get_vocab_size())] for n, t in toks.items()}

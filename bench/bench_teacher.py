@@ -75,7 +75,7 @@ def _sources(quick: bool) -> dict[str, str]:
 
 
 def _align(tmp: Path, quick: bool) -> tuple[Path, dict[str, str]]:
-    from csd_pipeline.align_stage import AlignConfig, run_align
+    from csd_pipeline.align.stage import AlignConfig, run_align
 
     corpus = tmp / "corpus"
     corpus.mkdir()
@@ -102,8 +102,8 @@ def _shard_rows(path: Path):
 
 def _forward_only(runner, rows, block_positions: int, own_path: bool) -> float:
     """Seconds of the teacher's forward alone on the batches the stage forms for these rows."""
-    from csd_pipeline.teacher_logits import block_ranges
-    from csd_pipeline.teacher_runner import plan_batches
+    from csd_pipeline.teacher.stage import block_ranges
+    from csd_pipeline.teacher.runner import plan_batches
 
     start_time = time.perf_counter()
     for start, end in block_ranges([len(r) for r in rows], block_positions):
@@ -151,7 +151,7 @@ class _PeakRss:
 def _measure_shard(runner, aligned_file: Path, target: Path, rows, *, reverse: bool, baselines, sampler=None,
                    sync=lambda: None) -> tuple[dict, object]:
     """Time the stage on one shard and the forward-only baselines on its batches, in alternating order."""
-    from csd_pipeline.teacher_logits import DEFAULT_BLOCK_POSITIONS, write_teacher_shard
+    from csd_pipeline.teacher.stage import DEFAULT_BLOCK_POSITIONS, write_teacher_shard
 
     result = None
 
@@ -181,7 +181,7 @@ def _decode_error(runner, shard_file: Path, rows) -> dict:
     import numpy as np
     import torch
 
-    from csd_pipeline.teacher_topk_reader import TeacherShard
+    from csd_pipeline.teacher.reader import TeacherShard
 
     worst_top, worst_observed, values = 0.0, 0.0, 0
     for stored, ids in zip(TeacherShard(shard_file), rows):
@@ -200,9 +200,9 @@ def run(quick: bool = False) -> dict:
     """Benchmark the stage on CPU; returns {"name", "metrics", "checks"}."""
     import torch
 
-    from csd_pipeline.fixtures import model_path
-    from csd_pipeline.model_loading import load_causal_lm
-    from csd_pipeline.teacher_runner import TeacherRunner
+    from csd_pipeline.fixtures.names import model_path
+    from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.teacher.runner import TeacherRunner
 
     with tempfile.TemporaryDirectory(prefix="bench-teacher-") as tmp_name:
         tmp = Path(tmp_name)
@@ -288,11 +288,11 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from csd_pipeline.align_stage import AlignConfig, run_align
-    from csd_pipeline.fixtures import tokenizer_path
-    from csd_pipeline.model_loading import load_causal_lm
-    from csd_pipeline.teacher_runner import TeacherRunner
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.align.stage import AlignConfig, run_align
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.teacher.runner import TeacherRunner
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     if not torch.cuda.is_available():
         raise RuntimeError("run_gpu needs a CUDA device")

@@ -43,8 +43,8 @@ GPU_STUDENT = dict(CPU_STUDENT, hidden_size=768, intermediate_size=2048, num_hid
 
 
 def _prepare(tmp: Path, quick: bool) -> tuple[Path, Path, str]:
-    from csd_pipeline.align_stage import AlignConfig, run_align
-    from csd_pipeline.teacher_logits import TeacherLogitsConfig, run_teacher_logits
+    from csd_pipeline.align.stage import AlignConfig, run_align
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
 
     size = (8 if quick else 24) << 10
     if FULL_TEXT.is_file():

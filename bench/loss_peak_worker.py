@@ -28,7 +28,7 @@ def load_events(path: str):
     """(ce_positions, ce_tokens, BatchEvents) from an .npz written by bench_loss (no pickle)."""
     import numpy as np
 
-    from csd_pipeline.events import BatchEvents
+    from csd_pipeline.loss.events import BatchEvents
 
     data = np.load(path, allow_pickle=False)
     fields = [
@@ -43,7 +43,7 @@ def naive_loss(hidden, weight, ce_pos, ce_tok, events):
     """The textbook dense version: log_softmax over the whole [P, V] logits, then gather."""
     import torch
 
-    from csd_pipeline.loss import combine_losses, csd_divergence
+    from csd_pipeline.loss.csd import combine_losses, csd_divergence
 
     logp = torch.log_softmax(hidden @ weight.T, dim=-1)
     ce_sum = -logp[torch.as_tensor(ce_pos), torch.as_tensor(ce_tok)].sum()
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from csd_pipeline.loss import csd_loss
+    from csd_pipeline.loss.csd import csd_loss
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -56,7 +56,7 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
           student_chat_template, teacher_chat_templates, include_thinking, alignment_regions,
           drop_first_assistant_chunk, trust_remote_code, quiet):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""
-    from csd_pipeline.align_stage import AlignConfig, run_align
+    from csd_pipeline.align.stage import AlignConfig, run_align
 
     config = AlignConfig(
         corpus=list(corpus),

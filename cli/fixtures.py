@@ -16,6 +16,6 @@ def fixtures(force: bool, verify: bool, quiet: bool) -> None:
     checks them against llama.cpp's test vectors and a loss check, and writes fixtures.json last.
     A re-run that finds the cache complete does nothing.
     """
-    from csd_pipeline.fixtures import run
+    from csd_pipeline.fixtures.build import run
 
     run(force=force, verify=verify, verbose=not quiet)

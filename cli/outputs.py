@@ -13,8 +13,8 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(directory, finalize, as_json):
     """Say which shards of a stage output are complete and what is missing."""
-    from csd_pipeline.executor import finalize as write_manifest
-    from csd_pipeline.executor import stage_status
+    from csd_pipeline.runtime.executor import finalize as write_manifest
+    from csd_pipeline.runtime.executor import stage_status
 
     if finalize:
         write_manifest(directory, log=lambda message: None if as_json else click.echo(message, err=True))
@@ -38,7 +38,7 @@ def status(directory, finalize, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(directory, as_json):
     """Summarise a stage output from its manifest: rows, tokens, chunk shapes, rejections."""
-    from csd_pipeline.manifest import read_manifest
+    from csd_pipeline.runtime.manifest import read_manifest
 
     manifest = read_manifest(directory)
     report = summarise(manifest)

@@ -20,8 +20,8 @@ def tables():
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, quiet):
     """Build the (source -> destination) table."""
-    from csd_pipeline.tables import build_table
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.vocab.tables import build_table
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
     destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code)
@@ -45,8 +45,8 @@ def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, qu
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def validate(student_tokenizer, teacher_tokenizer, student_to_teacher, teacher_to_student, sample, as_json):
     """Check both tables against the tokenizers (fingerprints, direction, sampled entries)."""
-    from csd_pipeline.tables import load_table, validate_tables
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.vocab.tables import load_table, validate_tables
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     student = load_tokenizer(student_tokenizer)
     teacher = load_tokenizer(teacher_tokenizer)
@@ -64,7 +64,7 @@ def validate(student_tokenizer, teacher_tokenizer, student_to_teacher, teacher_t
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(table_file, as_json):
     """Counts: vocab sizes, common spellings, prefix entries, spelling classes, specials."""
-    from csd_pipeline.tables import inspect_table
+    from csd_pipeline.vocab.tables import inspect_table
 
     counts = inspect_table(table_file)
     if as_json:

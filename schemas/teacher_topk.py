@@ -20,7 +20,7 @@ Each block is one Parquet row group, so a reader decodes one row group at a time
 the values of its rows with status 0, concatenated in row order: P positions, where the last
 position of each row has no observed token.
 
-Encoding `csd-topk-lzma-v1` of a block payload (see `csd_pipeline/topk_codec.py`):
+Encoding `csd-topk-lzma-v1` of a block payload (see `csd_pipeline/teacher/codec.py`):
 
     header (little-endian): magic "CTK1", uint32 P, uint32 k, uint32 id_width (2 or 3),
         uint32 O (positions with an observed next token), then uint32 byte length of each of the

@@ -7,7 +7,7 @@ import os
 import pytest
 
 # ---------------------------------------------------------------------------------------------
-# Real tokenizer/model fixtures (csd_pipeline/fixtures.py). Missing fixtures fail, never skip.
+# Real tokenizer/model fixtures (csd_pipeline/fixtures/). Missing fixtures fail, never skip.
 
 # Nothing in the tests may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,7 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def fixtures_manifest() -> dict:
     """The `fixtures.json` of the fixture cache (fails the test when the cache is incomplete)."""
-    from csd_pipeline.fixtures import fixture_dir, load_manifest
+    from csd_pipeline.fixtures.build import load_manifest
+    from csd_pipeline.fixtures.names import fixture_dir
 
     manifest = load_manifest()
     if manifest is None:
@@ -26,8 +27,8 @@ def fixtures_manifest() -> dict:
 
 @pytest.fixture(scope="session")
 def fixtures_dir(fixtures_manifest):
-    """The fixture cache folder (`csd_pipeline.fixtures.fixture_dir()`), known to be complete."""
-    from csd_pipeline.fixtures import fixture_dir
+    """The fixture cache folder (`csd_pipeline.fixtures.names.fixture_dir()`), known to be complete."""
+    from csd_pipeline.fixtures.names import fixture_dir
 
     return fixture_dir()
 
@@ -35,7 +36,7 @@ def fixtures_dir(fixtures_manifest):
 @pytest.fixture(scope="session")
 def tokenizer_path(fixtures_dir):
     """`tokenizer_path(name)` -> the HF-style folder of a fixture tokenizer (FIXTURE_TOKENIZERS)."""
-    from csd_pipeline import fixtures
+    from csd_pipeline.fixtures import names as fixtures
 
     return fixtures.tokenizer_path
 
@@ -43,7 +44,7 @@ def tokenizer_path(fixtures_dir):
 @pytest.fixture(scope="session")
 def model_path(fixtures_dir):
     """`model_path(name)` -> the HF folder of a fixture model (`smollm2-135m-instruct`)."""
-    from csd_pipeline import fixtures
+    from csd_pipeline.fixtures import names as fixtures
 
     return fixtures.model_path
 
@@ -51,7 +52,7 @@ def model_path(fixtures_dir):
 @pytest.fixture(scope="session")
 def template_path(fixtures_dir):
     """`template_path(filename)` -> a llama.cpp chat template (`templates/*.jinja`)."""
-    from csd_pipeline import fixtures
+    from csd_pipeline.fixtures import names as fixtures
 
     return fixtures.template_path
 

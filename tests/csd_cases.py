@@ -94,7 +94,7 @@ _CONTEXTS: dict = {}
 
 def bundle(tokenizer_path, name: str):
     """The TokenizerBundle of a fixture tokenizer, loaded once per session."""
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     if name not in _BUNDLES:
         _BUNDLES[name] = load_tokenizer(str(tokenizer_path(name)))
@@ -108,12 +108,12 @@ def cached_table(source, destination):
     import os
     from pathlib import Path
 
-    import csd_pipeline.tables
-    import csd_pipeline.vocab
-    from csd_pipeline.fixtures import fixture_dir
-    from csd_pipeline.tables import build_table, load_table
+    import csd_pipeline.vocab.tables
+    import csd_pipeline.vocab.vocabulary
+    from csd_pipeline.fixtures.names import fixture_dir
+    from csd_pipeline.vocab.tables import build_table, load_table
 
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.tables, csd_pipeline.vocab)))
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)))
     folder = fixture_dir() / "test-cache" / "tables"
     folder.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
@@ -129,7 +129,7 @@ def cached_table(source, destination):
 
 def event_context(tokenizer_path, student: str, teacher: str):
     """(student bundle, teacher bundle, EventContext) with both tables loaded once per session."""
-    from csd_pipeline.events import EventContext
+    from csd_pipeline.loss.events import EventContext
 
     key = (student, teacher)
     if key not in _CONTEXTS:

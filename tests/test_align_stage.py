@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from csd_pipeline.align_stage import AlignConfig, load_bundle, run_align
-from csd_pipeline.corpus import Document
+from csd_pipeline.align.stage import AlignConfig, load_bundle, run_align
+from csd_pipeline.align.corpus import Document
 from csd_pipeline.errors import CsdError
-from csd_pipeline.manifest import read_manifest, shard_paths
+from csd_pipeline.runtime.manifest import read_manifest, shard_paths
 from schemas.aligned import ChunkStatus, aligned_schema
 from tests.test_alignment import check_rows
 
@@ -33,12 +33,12 @@ def tables_for(tokenizer_path):
     Building a pair takes seconds, so tables are cached next to the fixtures, keyed by the
     tokenizers' fingerprints and the source of the modules that build them (any change rebuilds).
     """
-    import csd_pipeline.tables
-    import csd_pipeline.vocab
-    from csd_pipeline.fixtures import fixture_dir
-    from csd_pipeline.tables import build_table
+    import csd_pipeline.vocab.tables
+    import csd_pipeline.vocab.vocabulary
+    from csd_pipeline.fixtures.names import fixture_dir
+    from csd_pipeline.vocab.tables import build_table
 
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.tables, csd_pipeline.vocab)))
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)))
     folder = fixture_dir() / "test-cache" / "tables"
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -165,7 +165,7 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, small_corpus, tables_for
 
 
 def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, tables_for, one_worker_run):
-    from csd_pipeline.executor import finalize, stage_status
+    from csd_pipeline.runtime.executor import finalize, stage_status
 
     out = tmp_path / "ranks"
     cfg = config(small_corpus, out, [tables_for("llama-bpe", "qwen2")])
@@ -226,7 +226,7 @@ def test_several_teachers_and_the_identity_teacher(tmp_path, small_corpus, table
 
 
 def _blocks(path):
-    from csd_pipeline.corpus import ReadOptions, discover, read_segment
+    from csd_pipeline.align.corpus import ReadOptions, discover, read_segment
 
     [file] = discover([str(path)])
     return list(read_segment(file, {"first": 0, "count": 1 << 60, "offset": 0}, ReadOptions(split_on_blank_lines=True)))
@@ -266,7 +266,7 @@ def test_bad_input_is_aligned_or_counted(tmp_path, tables_for):
     texts = {(Path(r["source"]).name, r["record_index"]) for r in rows}
     assert ("specials.txt", 0) in texts and ("records.jsonl", 4) in texts and ("spaces.txt", 0) in texts
     specials = next(r for r in rows if r["source"].endswith("specials.txt"))
-    teacher = load_bundle(str(__import__("csd_pipeline.fixtures", fromlist=["x"]).tokenizer_path("qwen2")))
+    teacher = load_bundle(str(__import__("csd_pipeline.fixtures.names", fromlist=["x"]).tokenizer_path("qwen2")))
     # Text that spells special tokens is text: no special id appears after the context token.
     assert not teacher.vocab.is_special[np.asarray(specials["teacher0_ids"][1:])].any()
     bom = next(r for r in rows if r["source"].endswith("bom-crlf.txt"))

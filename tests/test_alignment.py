@@ -1,4 +1,4 @@
-"""The alignment core (csd_pipeline/alignment.py) against brute-force references.
+"""The alignment core (csd_pipeline/align/chunks.py) against brute-force references.
 
 - golden cases on hand-built vocabularies (`He|llo` vs `Hello` is 2:1, an emoji split into byte
   pieces differently on each side is one chunk, zero-width tokens, dummy prefix, mismatches);
@@ -20,9 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from csd_pipeline.alignment import align, cut_windows, ragged_arange, segment_sums, token_spans
-from csd_pipeline.corpus import Document
-from csd_pipeline.vocab import FLAG_UNTRUSTED, Vocabulary
+from csd_pipeline.align.chunks import align, cut_windows, ragged_arange, segment_sums, token_spans
+from csd_pipeline.align.corpus import Document
+from csd_pipeline.vocab.vocabulary import FLAG_UNTRUSTED, Vocabulary
 from schemas.aligned import ChunkStatus
 
 # ---------------------------------------------------------------------------------------------
@@ -270,9 +270,9 @@ def awkward_texts():
 
 @cache
 def aligner(student: str, teacher: str, max_tokens: int = 4096):
-    from csd_pipeline.fixtures import tokenizer_path
-    from csd_pipeline.text_align import BatchAligner
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.align.text_mode import BatchAligner
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     s = load_tokenizer(str(tokenizer_path(student)))
     t = load_tokenizer(str(tokenizer_path(teacher)))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from csd_pipeline.fixtures import tokenizer_path
+from csd_pipeline.fixtures.names import tokenizer_path
 
 
 def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:

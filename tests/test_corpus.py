@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import csd_pipeline.corpus as corpus
-from csd_pipeline.corpus import ReadOptions, discover, plan_shards, read_segment
+import csd_pipeline.align.corpus as corpus
+from csd_pipeline.align.corpus import ReadOptions, discover, plan_shards, read_segment
 from csd_pipeline.errors import CsdError
 
 ALL = {"first": 0, "count": 1 << 60, "offset": 0}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.events import (
+from csd_pipeline.loss.events import (
     SHAPE_1_1,
     SHAPE_1_N,
     SHAPE_M_1,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from csd_pipeline.errors import CsdError, ManifestError
-from csd_pipeline.executor import (
+from csd_pipeline.runtime.executor import (
     ShardResult,
     ShardTask,
     StageRun,
@@ -22,7 +22,7 @@ from csd_pipeline.executor import (
     shard_name,
     stage_status,
 )
-from csd_pipeline.manifest import read_manifest, shard_paths, verify_shards
+from csd_pipeline.runtime.manifest import read_manifest, shard_paths, verify_shards
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
@@ -118,7 +118,7 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, point):
     killed = tmp_path / "killed"
     script = (
         f"import sys; from pathlib import Path; import {__name__} as t; "
-        "from csd_pipeline.executor import run_stage; "
+        "from csd_pipeline.runtime.executor import run_stage; "
         "run_stage(t.make_run(Path(sys.argv[1])), log=lambda m: None)"
     )
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS_DIR}", CSD_TEST_CRASH=f"{point}:3")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from csd_pipeline import fixtures
+from csd_pipeline.fixtures import build as fixtures
+from csd_pipeline.fixtures import names
 from csd_pipeline.errors import CsdError
 
 VECTOR_NAMES = ("llama-bpe", "qwen2", "gpt-2", "llama-spm")
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _vectors(fixtures_dir: Path, name: str) -> list[tuple[str, list[int]]]:
-    # Parsed here, independently of csd_pipeline.gguf_tokenizer.read_vectors.
+    # Parsed here, independently of csd_pipeline.fixtures.gguf_tokenizer.read_vectors.
     texts = (fixtures_dir / "vectors" / f"{name}.inp").read_bytes().decode("utf-8").split("\n__ggml_vocab_test__\n")
     lines = (fixtures_dir / "vectors" / f"{name}.out").read_bytes().decode("utf-8").splitlines()
     assert texts[-1] == ""
@@ -69,7 +70,7 @@ def test_transformers_loads_the_folder_and_agrees(fixtures_dir, tokenizer_path, 
     assert (with_specials[0] == tokenizer.bos_token_id) is ADDS_BOS[name]
 
 
-@pytest.mark.parametrize("name", fixtures.FIXTURE_TOKENIZERS)
+@pytest.mark.parametrize("name", names.FIXTURE_TOKENIZERS)
 def test_vocab_size_and_every_id_present(tokenizer_path, name):
     tokenizer = _tokenizer(tokenizer_path, name)
     assert tokenizer.get_vocab_size(with_added_tokens=True) == EXPECTED_SIZES[name]
@@ -80,7 +81,7 @@ def test_vocab_size_and_every_id_present(tokenizer_path, name):
         assert vocab[added["content"]] == added["id"]   # tokenizers would renumber it otherwise
 
 
-@pytest.mark.parametrize("name", fixtures.FIXTURE_TOKENIZERS)
+@pytest.mark.parametrize("name", names.FIXTURE_TOKENIZERS)
 def test_special_tokens_and_config(tokenizer_path, name):
     folder = tokenizer_path(name)
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -118,7 +119,7 @@ def test_smollm2_splits_digits_one_by_one(tokenizer_path):
 def test_wrong_tokenizer_is_refused(fixtures_dir, tmp_path):
     """A vocabulary whose vectors are not reproduced is refused with one sentence naming it."""
     (tmp_path / "vectors").mkdir()
-    inp, out = fixtures.vectors_path("llama-spm")
+    inp, out = names.vectors_path("llama-spm")
     shutil.copyfile(inp, tmp_path / "vectors" / "llama-spm.inp")
     lines = out.read_text(encoding="utf-8").splitlines()
     lines[11] = lines[11] + " 0"   # "Hello world": expect one id more than the tokenizer gives
@@ -133,13 +134,13 @@ def test_wrong_tokenizer_is_refused(fixtures_dir, tmp_path):
 
 def test_missing_ignore_merges_is_caught(fixtures_dir, tokenizer_path, tmp_path):
     """The vectors are strict enough to catch transformers' known Llama 3 conversion slip."""
-    from csd_pipeline.gguf_tokenizer import check_vectors, read_vectors
+    from csd_pipeline.fixtures.gguf_tokenizer import check_vectors, read_vectors
 
     content = json.loads((tokenizer_path("llama-bpe") / "tokenizer.json").read_text(encoding="utf-8"))
     content["model"]["ignore_merges"] = False
     flawed = tmp_path / "tokenizer.json"
     flawed.write_text(json.dumps(content), encoding="utf-8")
-    report = check_vectors(flawed, read_vectors(*fixtures.vectors_path("llama-bpe")))
+    report = check_vectors(flawed, read_vectors(*names.vectors_path("llama-bpe")))
     assert not report.ok and report.encode_passed == 45 and report.first_failure is not None
 
 
@@ -158,7 +159,7 @@ def test_manifest_is_complete(fixtures_dir, fixtures_manifest):
     assert [(p["name"], p["version"], p["sha256"]) for p in manifest["packages"]] == [
         (p.name, p.version, p.sha256) for p in fixtures.PACKAGES
     ]
-    for name in fixtures.FIXTURE_TOKENIZERS:
+    for name in names.FIXTURE_TOKENIZERS:
         record = manifest["tokenizers"][name]
         assert record["vocab_size"] == EXPECTED_SIZES[name]
         if name in VECTOR_NAMES:
@@ -184,21 +185,21 @@ def test_rerun_does_nothing(fixtures_dir):
 
 
 def test_paths_and_resolvers(fixtures_dir, tmp_path, monkeypatch):
-    assert fixtures.resolve_tokenizer_arg("qwen2") == str(fixtures_dir / "tokenizers" / "qwen2")
-    assert fixtures.resolve_model_arg("smollm2-135m-instruct") == str(fixtures_dir / "models" / "smollm2-135m-instruct")
-    assert fixtures.resolve_tokenizer_arg("some/other/tokenizer.json") == "some/other/tokenizer.json"
-    assert fixtures.template_path("Qwen-Qwen2.5-7B-Instruct.jinja").read_text(encoding="utf-8")
+    assert names.resolve_tokenizer_arg("qwen2") == str(fixtures_dir / "tokenizers" / "qwen2")
+    assert names.resolve_model_arg("smollm2-135m-instruct") == str(fixtures_dir / "models" / "smollm2-135m-instruct")
+    assert names.resolve_tokenizer_arg("some/other/tokenizer.json") == "some/other/tokenizer.json"
+    assert names.template_path("Qwen-Qwen2.5-7B-Instruct.jinja").read_text(encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "qwen2").mkdir()
-    assert fixtures.resolve_tokenizer_arg("qwen2") == "qwen2"   # a local path wins over the fixture name
+    assert names.resolve_tokenizer_arg("qwen2") == "qwen2"   # a local path wins over the fixture name
     with pytest.raises(CsdError, match="unknown fixture tokenizer"):
-        fixtures.tokenizer_path("llama-7")
+        names.tokenizer_path("llama-7")
 
 
 def test_missing_fixtures_say_what_to_run(tmp_path, monkeypatch):
     monkeypatch.setenv("CSD_FIXTURES_DIR", str(tmp_path / "empty"))
-    for call, arg in ((fixtures.tokenizer_path, "gpt-2"), (fixtures.model_path, "smollm2-135m-instruct"),
-                      (fixtures.template_path, "x.jinja"), (fixtures.resolve_tokenizer_arg, "gpt-2")):
+    for call, arg in ((names.tokenizer_path, "gpt-2"), (names.model_path, "smollm2-135m-instruct"),
+                      (names.template_path, "x.jinja"), (names.resolve_tokenizer_arg, "gpt-2")):
         with pytest.raises(CsdError, match="run `make fixtures`"):
             call(arg)
 
@@ -268,7 +269,7 @@ def test_teacher_loss_on_real_text(model_path, fixtures_manifest):
     folder = model_path("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    text = (REPO / "csd_pipeline" / "data" / "fixture-check-english.txt").read_text(encoding="utf-8")
+    text = (REPO / "csd_pipeline" / "fixtures" / "data" / "fixture-check-english.txt").read_text(encoding="utf-8")
     ids = [tokenizer.convert_tokens_to_ids("<|endoftext|>"), *tokenizer.encode(text, add_special_tokens=False)]
     inputs = torch.tensor([ids])
     labels = inputs.clone()

@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.events import build_row_events, ce_targets, collate_events
-from csd_pipeline.loss import (
+from csd_pipeline.loss.events import build_row_events, ce_targets, collate_events
+from csd_pipeline.loss.csd import (
     chunked_token_logprobs,
     csd_divergence,
     csd_loss,
     dense_token_logprobs,
 )
-from csd_pipeline.loss_reference import (
+from tests.loss_reference import (
     ReferenceTeacher,
     ReferenceVocab,
     reference_chunk_distributions,
@@ -230,7 +230,7 @@ def test_gradient_wrt_logits_matches_reference(case_of):
 
 def _wrong_kd(case: Case, rows, teachers, variant: str) -> float:
     """KD (JSD, beta 5) of a wrong implementation, from the reference's own chunk events."""
-    from csd_pipeline.loss_reference import _divergence
+    from tests.loss_reference import _divergence
 
     total, count = 0.0, 0
     for h, row, t_row in zip(case.hidden, rows, teachers):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.model_loading import (
+from csd_pipeline.runtime.model_loading import (
     file_sha256_cached,
     load_causal_lm,
     model_fingerprint,

@@ -13,7 +13,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from csd_pipeline.tables import build_table, load_table, validate_tables
+from csd_pipeline.vocab.tables import build_table, load_table, validate_tables
 from tests.test_vocab import bundle, reference_token_bytes
 
 PAIRS = [("llama-bpe", "qwen2"), ("gpt-2", "llama-spm"), ("smollm2", "llama-spm")]

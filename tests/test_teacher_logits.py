@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from csd_pipeline.topk_codec import MAX_ABS_ERROR
+from csd_pipeline.teacher.codec import MAX_ABS_ERROR
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def _quiet_machine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def aligned(tmp_path_factory, tokenizer_path) -> Path:
     """Real text aligned (gpt-2 student, SmolLM2 teacher): 3 shards, 12 rows of 4 to 126 teacher tokens."""
-    from csd_pipeline.align_stage import AlignConfig, run_align
+    from csd_pipeline.align.stage import AlignConfig, run_align
 
     out = tmp_path_factory.mktemp("aligned")
     config = AlignConfig(
@@ -106,7 +106,7 @@ def tiny_teacher(tmp_path_factory, tokenizer_path) -> Path:
 
 
 def run_stage(aligned_dir, teacher, output, **options):
-    from csd_pipeline.teacher_logits import TeacherLogitsConfig, run_teacher_logits
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
 
     rank = options.pop("rank", 0)
     world_size = options.pop("world_size", 1)
@@ -194,8 +194,8 @@ def test_tiny_teacher_matches_float64_reference(aligned, tiny_teacher, tiny_outp
 
 def test_rows_are_batched_with_padding_and_match_unbatched(aligned, tiny_teacher):
     """The runner's batched values equal a forward of each row alone (float32, before encoding)."""
-    from csd_pipeline.model_loading import load_causal_lm
-    from csd_pipeline.teacher_runner import TeacherRunner, plan_batches
+    from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.teacher.runner import TeacherRunner, plan_batches
 
     rows = [ids for _, _, ids in aligned_rows(aligned)]
     batches = plan_batches([len(r) for r in rows], 512)
@@ -235,8 +235,8 @@ def test_runner_logit_paths_match_float64(kind, aligned, tiny_teacher, tokenizer
     """Both ways to get logits (hidden states + float32 head, or the model's own forward) are exact."""
     from types import SimpleNamespace
 
-    from csd_pipeline.model_loading import load_causal_lm
-    from csd_pipeline.teacher_runner import TeacherRunner
+    from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.teacher.runner import TeacherRunner
 
     rows = [ids for _, _, ids in aligned_rows(aligned)][:5]
     if kind == "model-forward-fallback":
@@ -266,7 +266,7 @@ def test_manifest_and_co_partitioning(aligned, tiny_teacher, tiny_output):
 
     import pyarrow.parquet as pq
 
-    from csd_pipeline.model_loading import model_fingerprint
+    from csd_pipeline.runtime.model_loading import model_fingerprint
 
     manifest = json.loads((tiny_output / "manifest.json").read_text())
     aligned_manifest = json.loads((aligned / "manifest.json").read_text())
@@ -289,7 +289,7 @@ def test_manifest_and_co_partitioning(aligned, tiny_teacher, tiny_output):
 
 
 def test_random_access_equals_iteration(tiny_output):
-    from csd_pipeline.teacher_topk_reader import read_teacher_shard
+    from csd_pipeline.teacher.reader import read_teacher_shard
 
     manifest = json.loads((tiny_output / "manifest.json").read_text())
     shard = read_teacher_shard(tiny_output, manifest["shards"][0]["file"])
@@ -300,8 +300,8 @@ def test_random_access_equals_iteration(tiny_output):
 
 
 def test_reads_out_of_order_decode_each_block_once_when_it_fits(aligned, tiny_teacher, tmp_path, monkeypatch):
-    import csd_pipeline.topk_codec as codec
-    from csd_pipeline.teacher_topk_reader import read_teacher_shard
+    import csd_pipeline.teacher.codec as codec
+    from csd_pipeline.teacher.reader import read_teacher_shard
 
     out = tmp_path / "small-blocks"
     assert run_stage(aligned, tiny_teacher, out, block_positions=64).complete

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.topk_codec import (
+from csd_pipeline.teacher.codec import (
     LOGPROB_FLOOR,
     MAX_ABS_ERROR,
     block_header,
@@ -144,7 +144,7 @@ def test_real_smollm2_output(model_path, one_thread):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     folder = model_path("smollm2-135m-instruct")
     bundle = load_tokenizer(str(folder))

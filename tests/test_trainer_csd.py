@@ -26,7 +26,7 @@ def metrics(output) -> list[dict]:
 
 def direct_first_batch_loss(config, **loss_options):
     """The loss of the run's first batch at its initial weights: dense float64 logits, no FSDP."""
-    from csd_pipeline.loss import csd_loss
+    from csd_pipeline.loss.csd import csd_loss
     from trainer.data import TrainingData
     from trainer.model import build_student
 

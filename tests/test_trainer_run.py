@@ -105,7 +105,7 @@ def test_export_reloads_with_the_same_logits(trainer_data, reference_run):
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, wrapper.model.eval()(ids).logits, rtol=0, atol=1e-6)
     assert (reference_run / "export" / "tokenizer.json").read_bytes() == (
-        __import__("csd_pipeline.fixtures", fromlist=["x"]).tokenizer_path("llama-spm") / "tokenizer.json").read_bytes()
+        __import__("csd_pipeline.fixtures.names", fromlist=["x"]).tokenizer_path("llama-spm") / "tokenizer.json").read_bytes()
 
 
 def test_output_with_checkpoints_needs_resume(trainer_data, reference_run):
@@ -202,8 +202,8 @@ def test_bits_per_byte_matches_a_brute_force_count(trainer_data, reference_run):
 def test_teacher_bits_per_byte_reads_the_teachers_own_ids(trainer_data, reference_run):
     from transformers import AutoModelForCausalLM
 
-    from csd_pipeline.fixtures import model_path
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.fixtures.names import model_path
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
     from trainer.evaluation import bits_per_byte
 
     teacher = AutoModelForCausalLM.from_pretrained(model_path("smollm2-135m-instruct"), dtype=torch.float32).eval()

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from csd_pipeline.fixtures import FIXTURE_TOKENIZERS, tokenizer_path
-from csd_pipeline.vocab import load_tokenizer
+from csd_pipeline.fixtures.names import FIXTURE_TOKENIZERS, tokenizer_path
+from csd_pipeline.vocab.vocabulary import load_tokenizer
 
 DATA = Path(__file__).parent / "data"
 
@@ -55,7 +55,7 @@ def bundle(name: str):
 
 
 def _reference_byte_table() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode, written out independently of csd_pipeline.vocab."""
+    """GPT-2's bytes_to_unicode, written out independently of csd_pipeline.vocab.vocabulary."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     mapping = {b: chr(b) for b in keep}
     shifted = 0

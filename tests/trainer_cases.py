@@ -18,7 +18,7 @@ STUDENT_CONFIG = {
 
 def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1) -> Path:
     """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`."""
-    from csd_pipeline.align_stage import AlignConfig, run_align
+    from csd_pipeline.align.stage import AlignConfig, run_align
 
     run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
                           teacher_tokenizers=["smollm2"] * teachers, output=str(output),
@@ -31,7 +31,7 @@ def make_trainer_data(root: Path) -> dict:
     """{"train", "eval"}: aligned dirs of the botchan / devil slices (windows <= 128 student tokens);
     "train_short": the first 2500 characters of the botchan slice, aligned for two teachers with the
     same (smollm2) tokenizer; "student_config": a 2-layer, 64-wide Llama config JSON with the llama-spm vocabulary."""
-    from csd_pipeline.fixtures import tokenizer_path
+    from csd_pipeline.fixtures.names import tokenizer_path
 
     tokenizer_path("llama-spm")  # fails with `make fixtures` advice when the cache is missing
     out = {"train": align([DATA / "botchan-slice.txt"], root / "train"),
@@ -47,7 +47,7 @@ def make_trainer_data(root: Path) -> dict:
 
 def make_teacher_topk(aligned: Path, output: Path, top_k: int = 8) -> Path:
     """Run the teacher-logits stage with the real SmolLM2-135M-Instruct teacher on `aligned`."""
-    from csd_pipeline.teacher_logits import TeacherLogitsConfig, run_teacher_logits
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
 
     run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher="smollm2-135m-instruct", output=str(output),
                                            top_k=top_k, device="cpu"))

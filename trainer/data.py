@@ -7,7 +7,7 @@ computed from, and the shards are co-partitioned) and against the student tokeni
 
 `TrainingData.loader(rank, world, state)` streams this rank's micro-batches: the epoch order of
 `trainer.shuffle` (one block of shards in memory at a time), greedy packing
-(`trainer.packing`), CE targets and CSD events (`csd_pipeline.events`) built in data-loader
+(`trainer.packing`), CE targets and CSD events (`csd_pipeline.loss.events`) built in data-loader
 worker processes. Worker w of W builds batches w, w+W, ...; the torch DataLoader hands them back
 in order, so the stream is the same whatever the number of workers. Every micro-batch carries the
 loader state after it: `{"version", "epoch", "position"}`, the next window of this rank.
@@ -100,8 +100,8 @@ class TrainingData:
     @classmethod
     def open(cls, config) -> TrainingData:
         """Read and cross-check the manifests of `config.aligned` and `config.teacher_logits`."""
-        from csd_pipeline.manifest import read_manifest, require_fingerprint, verify_shards
-        from csd_pipeline.vocab import load_tokenizer
+        from csd_pipeline.runtime.manifest import read_manifest, require_fingerprint, verify_shards
+        from csd_pipeline.vocab.vocabulary import load_tokenizer
         from schemas.aligned import SCHEMA_VERSION, STAGE
 
         aligned_dir = Path(config.aligned)
@@ -195,7 +195,7 @@ class TrainingData:
 
 def _open_teacher(directory: Path, aligned_dir: Path, aligned_manifest: dict) -> tuple[Path, dict, int]:
     """Read one teacher manifest and check it against the aligned data; returns (dir, manifest, index)."""
-    from csd_pipeline.manifest import read_manifest, verify_shards
+    from csd_pipeline.runtime.manifest import read_manifest, verify_shards
 
     manifest = read_manifest(directory, stage="teacher-logits")
     recorded = _find_key(manifest, ("aligned", "manifest_sha256"))
@@ -355,8 +355,8 @@ class _BatchBuilder:
 
     def contexts(self):
         if self._contexts is None:
-            from csd_pipeline.events import EventContext
-            from csd_pipeline.tables import load_table
+            from csd_pipeline.loss.events import EventContext
+            from csd_pipeline.vocab.tables import load_table
 
             self._contexts = [
                 EventContext(load_table(s2t), load_table(t2s), tables_name=str(Path(s2t).parent))
@@ -365,7 +365,7 @@ class _BatchBuilder:
         return self._contexts
 
     def teacher_row(self, t: int, shard: int, row: int):
-        from csd_pipeline.teacher_topk_reader import read_teacher_shard
+        from csd_pipeline.teacher.reader import read_teacher_shard
 
         key = (t, shard)
         if key not in self._teacher_cache:
@@ -382,7 +382,7 @@ class _BatchBuilder:
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
-        from csd_pipeline.events import build_row_events, ce_targets, collate_events, empty_events
+        from csd_pipeline.loss.events import build_row_events, ce_targets, collate_events, empty_events
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,

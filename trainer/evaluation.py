@@ -50,7 +50,7 @@ def _eval_rows(aligned_dir: Path, side, max_rows: int, fingerprint: str | None):
     """(ids, target indices, text bytes) of the held-out rows, in manifest order."""
     import pyarrow.parquet as pq
 
-    from csd_pipeline.manifest import read_manifest, require_fingerprint, shard_paths
+    from csd_pipeline.runtime.manifest import read_manifest, require_fingerprint, shard_paths
     from schemas.aligned import SCHEMA_VERSION, STAGE
 
     manifest = read_manifest(aligned_dir, stage=STAGE, schema_versions=[SCHEMA_VERSION])
@@ -113,7 +113,7 @@ def bits_per_byte(model, aligned_dir, side="student", *, seq_len: int = 2048, ba
     """
     import torch
 
-    from csd_pipeline.loss import chunked_token_logprobs
+    from csd_pipeline.loss.csd import chunked_token_logprobs
 
     device = next(model.parameters()).device
     nats, n_bytes, n_tokens, n_rows = 0.0, 0, 0, 0

@@ -23,7 +23,7 @@ from trainer.config import TrainConfig, check_resume_compatible, write_resolved
 from trainer.metrics import MetricsLogger
 
 SHAPE_KEYS = ("1to1", "1toN", "Mto1", "MtoN")
-# per-teacher diagnostics of csd_pipeline.loss (means over the ranks and micro-steps that had chunks)
+# per-teacher diagnostics of csd_pipeline.loss.csd (means over the ranks and micro-steps that had chunks)
 LOSS_DIAGNOSTICS = ("events_per_chunk", "teacher_event_mass", "student_rest_mass", "divergence_per_chunk")
 RESOLVED_CONFIG = "config.yaml"
 EXPORT_DIR = "export"

@@ -28,7 +28,7 @@ class StudentWithLoss(torch.nn.Module):
 
     forward(input_ids [B,S], position_ids [B,S], ce_positions [G], ce_tokens [G], teachers,
     **loss options) -> dict with `ce` and `kd` (0-dim, already divided by the global counts,
-    see `csd_pipeline.loss.csd_loss`) and `metrics` (detached). The combination with the dynamic
+    see `csd_pipeline.loss.csd.csd_loss`) and `metrics` (detached). The combination with the dynamic
     scale happens in the loop, which knows the all-rank values.
     """
 
@@ -51,7 +51,7 @@ class StudentWithLoss(torch.nn.Module):
     def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *,
                 global_ce_tokens, global_chunk_counts=None, teacher_weights=None,
                 divergence="jsd", beta=5.0, teacher_temperature=1.0, chunk_size=1024):
-        from csd_pipeline.loss import csd_loss
+        from csd_pipeline.loss.csd import csd_loss
 
         hidden = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False
@@ -134,10 +134,10 @@ def build_student(config, tokenizer_size: int):
 def load_pretrained(name: str, attn_implementation: str, trust_remote_code: bool):
     """Load `--student` (local HF folder, GGUF file, fixture or hub name) in float32 on the CPU.
 
-    Uses `csd_pipeline.model_loading.load_causal_lm` (the teacher stage's loader), then switches
+    Uses `csd_pipeline.runtime.model_loading.load_causal_lm` (the teacher stage's loader), then switches
     the attention kernel when `--attn-implementation` asks for another one.
     """
-    from csd_pipeline.model_loading import load_causal_lm
+    from csd_pipeline.runtime.model_loading import load_causal_lm
 
     model = load_causal_lm(name, dtype="float32", device="cpu", trust_remote_code=trust_remote_code).model
     if getattr(model.config, "_attn_implementation", None) != attn_implementation:
@@ -153,7 +153,7 @@ def student_tokenizer_source(config) -> str:
     """The tokenizer of the student: `--student-tokenizer`, else the `--student` model folder."""
     if config.student_tokenizer:
         return config.student_tokenizer
-    from csd_pipeline.model_loading import resolve_model_source
+    from csd_pipeline.runtime.model_loading import resolve_model_source
 
     folder, gguf_file = resolve_model_source(config.student, trust_remote_code=config.trust_remote_code)
     if gguf_file is not None:
@@ -211,7 +211,7 @@ def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_
 
 def save_tokenizer(source: str, output_dir: Path) -> None:
     """Copy the student tokenizer's files byte for byte (so its fingerprint is unchanged)."""
-    from csd_pipeline.fixtures import resolve_model_arg, resolve_tokenizer_arg
+    from csd_pipeline.fixtures.names import resolve_model_arg, resolve_tokenizer_arg
 
     path = Path(resolve_model_arg(resolve_tokenizer_arg(source)))
     if path.is_file():

@@ -6,7 +6,7 @@ has `batch_size` rows and the next window does not fit; that window is *not* con
 loader state after a batch is simply "the next window to read". Positions restart at 0 in every
 window (and in the padding), which is how the model separates them: transformers turns
 restarting `position_ids` into a block-diagonal causal mask (sdpa / eager / flex) or varlen
-attention (flash). CE targets (`csd_pipeline.events.ce_targets`) are built per window, so they
+attention (flash). CE targets (`csd_pipeline.loss.events.ce_targets`) are built per window, so they
 never cross a window boundary.
 """
 

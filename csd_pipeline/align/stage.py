@@ -41,7 +41,7 @@ class AlignConfig:
     tables: list[tuple[str, str]] = field(default_factory=list)  # per teacher (student->teacher, teacher->student)
     batch_bytes: int = 1 << 20
     trust_remote_code: bool = False
-    # chat mode (csd_pipeline/chat_align.py)
+    # chat mode (csd_pipeline/align/chat_mode.py)
     student_chat_template: str | None = None
     teacher_chat_templates: list[str] = field(default_factory=list)  # once for all, or once per teacher
     include_thinking: bool = False
@@ -50,7 +50,7 @@ class AlignConfig:
 
     def validate(self) -> None:
         """Raise `CsdError` naming the option that is wrong."""
-        from csd_pipeline.chat_align import chat_options
+        from csd_pipeline.align.chat_mode import chat_options
 
         if self.mode not in ("text", "chat"):
             raise CsdError(f"--mode {self.mode!r} is unknown; use --mode text or --mode chat.")
@@ -93,8 +93,8 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     Raises `CsdError` for a bad option, a missing corpus path, an unsupported tokenizer, tables that
     do not match the tokenizers, or an output directory holding another run.
     """
-    from csd_pipeline.corpus import ReadOptions, discover, plan_shards
-    from csd_pipeline.executor import (
+    from csd_pipeline.align.corpus import ReadOptions, discover, plan_shards
+    from csd_pipeline.runtime.executor import (
         ShardTask,
         StageRun,
         check_identity,
@@ -104,7 +104,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         run_stage,
         shard_name,
     )
-    from csd_pipeline.fixtures import resolve_tokenizer_arg
+    from csd_pipeline.fixtures.names import resolve_tokenizer_arg
 
     config.validate()
     log = log or (lambda message: None)
@@ -139,7 +139,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     }
     chat = None
     if config.mode == "chat":
-        from csd_pipeline.chat_align import prepare_chat
+        from csd_pipeline.align.chat_mode import prepare_chat
 
         chat = prepare_chat(config, student, teachers, files)
         identity["config"]["chat"] = chat
@@ -161,7 +161,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         output_dir=out,
         identity=identity,
         tasks=tasks,
-        processor="csd_pipeline.align_stage:make_shard_processor",
+        processor="csd_pipeline.align.stage:make_shard_processor",
         processor_config={
             "student": student_path,
             "teachers": teacher_paths,
@@ -188,7 +188,7 @@ _BUNDLES: dict = {}
 
 def load_bundle(path: str, trust_remote_code: bool = False):
     """`vocab.load_tokenizer`, cached per process (the stage and its in-process shard writer share it)."""
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     key = (path, trust_remote_code, _mtime(path))
     if key not in _BUNDLES:
@@ -225,7 +225,7 @@ def _file_spec(file) -> dict:
 
 def _recorded_tasks(out: Path, identity: dict, read_run_record):
     """The task list of an earlier run of the same identity in `out` (resume without re-planning)."""
-    from csd_pipeline.executor import RUN_NAME, ShardTask
+    from csd_pipeline.runtime.executor import RUN_NAME, ShardTask
 
     if not (out / RUN_NAME).is_file():
         return None
@@ -254,7 +254,7 @@ def _table_records(student, teachers) -> list[dict]:
 
 def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> None:
     """Copy (or build) each teacher's two tables into DIR/tables/teacher{i}/ unless already there."""
-    from csd_pipeline.tables import build_table
+    from csd_pipeline.vocab.tables import build_table
 
     names = TABLE_NAMES
     for i, teacher in enumerate(teachers):
@@ -286,7 +286,7 @@ def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> N
 
 def table_fingerprints(path) -> tuple[str, str]:
     """(source, destination) tokenizer fingerprints of a stored table (see `tables.read_table_fingerprints`)."""
-    from csd_pipeline.tables import read_table_fingerprints
+    from csd_pipeline.vocab.tables import read_table_fingerprints
 
     return read_table_fingerprints(path)
 
@@ -307,11 +307,11 @@ def make_shard_processor(config: dict):
     student = load_bundle(config["student"], config["trust_remote_code"])
     teachers = [load_bundle(t, config["trust_remote_code"]) for t in config["teachers"]]
     if config.get("chat"):
-        from csd_pipeline.chat_align import make_chat_aligner
+        from csd_pipeline.align.chat_mode import make_chat_aligner
 
         aligner = make_chat_aligner(config, student, teachers)
     else:
-        from csd_pipeline.text_align import BatchAligner
+        from csd_pipeline.align.text_mode import BatchAligner
 
         aligner = BatchAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
                                config["context_token"])
@@ -330,8 +330,8 @@ def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
     """
     import pyarrow.parquet as pq
 
-    from csd_pipeline.corpus import CorpusFile, ReadOptions, read_segment
-    from csd_pipeline.executor import ShardResult
+    from csd_pipeline.align.corpus import CorpusFile, ReadOptions, read_segment
+    from csd_pipeline.runtime.executor import ShardResult
 
     options = ReadOptions(config["text_field"], config["split_on_blank_lines"], whole_record=bool(config.get("chat")))
     stats = aligner.new_stats()

@@ -89,7 +89,7 @@ class SideSpans:
 def token_spans(vocab, ids: np.ndarray, doc_tokens: np.ndarray, src: np.ndarray, doc_bytes: np.ndarray) -> SideSpans:
     """Byte spans of a batch of documents' tokens from the vocabulary's token bytes.
 
-    `vocab` is a `csd_pipeline.vocab.Vocabulary` (needs `byte_lengths()`, `flat_bytes()`, `flags`,
+    `vocab` is a `csd_pipeline.vocab.vocabulary.Vocabulary` (needs `byte_lengths()`, `flat_bytes()`, `flags`,
     `dummy_prefix`); `ids` the concatenated content token ids, `doc_tokens` [D+1] their offsets per
     document; `src` the batch's bytes (uint8) and `doc_bytes` [D+1] the documents' byte offsets.
     Returns a `SideSpans` whose ends are exact for documents with `exact` True; the caller replaces

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
 
 RUN_NAME = "run.json"
 RUN_VERSION = 1

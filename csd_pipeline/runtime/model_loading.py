@@ -162,7 +162,7 @@ def resolve_model_source(arg: str, *, trust_remote_code: bool = False) -> tuple[
     Raises CsdError when nothing usable is found.
     """
     try:
-        from csd_pipeline.fixtures import resolve_model_arg
+        from csd_pipeline.fixtures.names import resolve_model_arg
 
         arg = resolve_model_arg(str(arg))
     except ImportError:  # fixtures module not present in a stripped install

@@ -1,6 +1,6 @@
 """Stage manifests: the one file that says a stage output directory is complete.
 
-A stage writes `DIR/manifest.json` last (see `csd_pipeline.executor`). Readers start here and
+A stage writes `DIR/manifest.json` last (see `csd_pipeline.runtime.executor`). Readers start here and
 never glob the directory: the manifest lists the shards in order with their rows, bytes and
 sha256, the stage name and schema version, the resolved config, the inputs and their
 fingerprints, and the totals (rows, stats such as rejections by reason).

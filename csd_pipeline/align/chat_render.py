@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from csd_pipeline.chat_template import (
+from csd_pipeline.align.templates import (
     ChatTemplate,
     TemplateRenderError,
     gguf_chat_template,
@@ -352,7 +352,7 @@ class ChatSide:
         tokens = ids[region.start:region.end]
         if b"".join(vocab.token_bytes[i] for i in tokens.tolist()) == region.text.encode("utf-8"):
             return None
-        from csd_pipeline.vocab import _ends_from_offsets
+        from csd_pipeline.vocab.vocabulary import _ends_from_offsets
 
         encoding = self._tokenizer.encode(region.text, add_special_tokens=False)
         if list(encoding.ids) != tokens.tolist():

@@ -27,7 +27,7 @@ from csd_pipeline.errors import CsdError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from csd_pipeline.events import BatchEvents
+    from csd_pipeline.loss.events import BatchEvents
 
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 SHAPE_NAMES = ("1:1", "1:N", "M:1", "M:N")

@@ -27,7 +27,7 @@ import json
 
 import numpy as np
 
-from csd_pipeline.chat import ChatOptions, ChatRefusal, ChatSide, load_chat_template
+from csd_pipeline.align.chat_render import ChatOptions, ChatRefusal, ChatSide, load_chat_template
 from csd_pipeline.errors import CsdError
 from schemas.aligned import ChunkStatus, aligned_schema, teacher_columns
 
@@ -153,7 +153,7 @@ class ChatAligner:
 
     def new_stats(self) -> dict:
         """Counters of one shard (summed across shards by the executor); the text mode layout plus `chat`."""
-        from csd_pipeline.text_align import shard_stats
+        from csd_pipeline.align.text_mode import shard_stats
 
         n = len(self.teachers)
         stats = shard_stats(n)
@@ -233,7 +233,7 @@ class ChatAligner:
 
     def _teacher_chunks(self, i: int, kept: list, stats: dict) -> list[tuple[list, list, list]]:
         """Per kept record, teacher i's chunk lengths and statuses (context, regions, eot, tail)."""
-        from csd_pipeline.alignment import align, token_spans
+        from csd_pipeline.align.chunks import align, token_spans
 
         student_vocab = self.sides[0].bundle.vocab
         teacher_vocab = self.teachers[i].vocab

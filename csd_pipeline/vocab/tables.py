@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.vocab import TokenizerBundle, Vocabulary
+from csd_pipeline.vocab.vocabulary import TokenizerBundle, Vocabulary
 
 TABLE_FORMAT_VERSION = 1
 _META_KEY = "csd_table"

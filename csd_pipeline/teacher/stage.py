@@ -2,10 +2,10 @@
 
 For every teacher position of every aligned row it stores the top-k token ids, their
 log-probabilities under the softmax over the model's whole output, and the log-probability of the
-observed next token (SPEC §6), encoded by `csd_pipeline.topk_codec` into Parquet shards that are
+observed next token (SPEC §6), encoded by `csd_pipeline.teacher.codec` into Parquet shards that are
 co-partitioned with the aligned shards (`schemas/teacher_topk.py`).
 
-The values come from `csd_pipeline.teacher_runner.TeacherRunner` (batching, float32 logits and
+The values come from `csd_pipeline.teacher.runner.TeacherRunner` (batching, float32 logits and
 log-softmax over the whole output, top-k). Here: rows are cut into blocks of about
 `block_positions` positions (one Parquet row group each), each block is computed and encoded in
 row order; a row with any non-finite log-probability is rejected and counted (status 1, no values)
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.teacher_runner import RowTopk, TeacherRunner
+from csd_pipeline.teacher.runner import RowTopk, TeacherRunner
 
 DEFAULT_BLOCK_POSITIONS = 1 << 16
 
@@ -51,7 +51,7 @@ class TeacherLogitsConfig:
 
     def validate(self) -> None:
         """Raise CsdError naming the option that is out of range."""
-        from csd_pipeline.topk_codec import MAX_K
+        from csd_pipeline.teacher.codec import MAX_K
 
         if not 1 <= self.top_k <= MAX_K:
             raise CsdError(f"--top-k {self.top_k} is out of range; pass a value in [1, {MAX_K}].")
@@ -85,7 +85,7 @@ def block_ranges(lengths, block_positions: int) -> list[tuple[int, int]]:
 
 def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int) -> tuple[bytes, dict]:
     """Encode the kept rows (finite) of one block; returns (payload, stats of the block)."""
-    from csd_pipeline.topk_codec import encode_block
+    from csd_pipeline.teacher.codec import encode_block
 
     kept = [(r, row) for r, row in zip(results, rows) if r.finite]
     if kept:
@@ -118,8 +118,8 @@ def write_teacher_shard(runner: TeacherRunner, aligned_file: Path, teacher_index
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from csd_pipeline.executor import ShardResult, merge_stats
-    from csd_pipeline.topk_codec import ENCODING
+    from csd_pipeline.runtime.executor import ShardResult, merge_stats
+    from csd_pipeline.teacher.codec import ENCODING
     from schemas.teacher_topk import RowStatus, teacher_topk_schema
 
     column = f"teacher{teacher_index}_ids"
@@ -191,7 +191,7 @@ def runner_for(config: dict) -> TeacherRunner:
     """The (per-process cached) runner for a processor config: the model is loaded once per process."""
     key = _runner_key(config)
     if key not in _RUNNERS:
-        from csd_pipeline.model_loading import load_causal_lm
+        from csd_pipeline.runtime.model_loading import load_causal_lm
 
         loaded = load_causal_lm(config["teacher"], dtype=config["dtype"], device=config["device"],
                                 trust_remote_code=config["trust_remote_code"])
@@ -207,7 +207,7 @@ def make_shard_processor(config: dict):
     aligned = Path(config["aligned"])
 
     def process(task, tmp_path: Path):
-        from csd_pipeline.executor import file_sha256
+        from csd_pipeline.runtime.executor import file_sha256
 
         source = aligned / task.spec["aligned_file"]
         if not source.is_file() or file_sha256(source) != task.spec["aligned_sha256"]:
@@ -242,7 +242,7 @@ def aligned_teacher(manifest: dict, aligned_dir: Path, index: int) -> dict:
                        f"teacher(s); pass an index in [0, {len(teachers)}).")
     record = dict(teachers[index])
     if "size" not in record:
-        from csd_pipeline.tables import load_table
+        from csd_pipeline.vocab.tables import load_table
 
         tables = [t for t in manifest.get("tables") or [] if t.get("teacher") == index]
         if not tables:
@@ -273,7 +273,7 @@ def _check_teacher_tokenizer(loaded, record: dict, aligned_dir: Path, index: int
     if loaded.gguf_file is not None or not (loaded.path / "tokenizer.json").is_file():
         _log(log, f"teacher {loaded.source} carries no tokenizer.json; only its output size was checked.")
         return
-    from csd_pipeline.vocab import load_tokenizer
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     fingerprint = load_tokenizer(str(loaded.path)).vocab.fingerprint
     if fingerprint != record.get("fingerprint"):
@@ -296,10 +296,10 @@ def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, 
     Raises CsdError for a bad option, an aligned directory without a (known) manifest, a teacher
     that does not match the aligned teacher tokenizer, or an unwritable output directory.
     """
-    from csd_pipeline.executor import ShardTask, StageRun, resolve_rank, run_stage
-    from csd_pipeline.manifest import MANIFEST_NAME, read_manifest
-    from csd_pipeline.model_loading import resolve_device, resolve_dtype
-    from csd_pipeline.topk_codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
+    from csd_pipeline.runtime.executor import ShardTask, StageRun, resolve_rank, run_stage
+    from csd_pipeline.runtime.manifest import MANIFEST_NAME, read_manifest
+    from csd_pipeline.runtime.model_loading import resolve_device, resolve_dtype
+    from csd_pipeline.teacher.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
     from schemas.aligned import SCHEMA_VERSION as ALIGNED_VERSION
     from schemas.aligned import STAGE as ALIGN_STAGE
     from schemas.teacher_topk import SCHEMA_VERSION, STAGE
@@ -331,7 +331,7 @@ def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, 
         "block_positions": config.block_positions,
     }
     _deterministic_torch(str(device))
-    from csd_pipeline.model_loading import load_causal_lm
+    from csd_pipeline.runtime.model_loading import load_causal_lm
 
     _log(log, f"loading teacher {config.teacher} ({dtype} on {device})...")
     loaded = load_causal_lm(config.teacher, dtype=dtype, device=str(device), trust_remote_code=config.trust_remote_code)
@@ -383,7 +383,7 @@ def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, 
         output_dir=out,
         identity=identity,
         tasks=tasks,
-        processor="csd_pipeline.teacher_logits:make_shard_processor",
+        processor="csd_pipeline.teacher.stage:make_shard_processor",
         processor_config=processor_config,
         # Extra keys are recorded in run.json too, so they must not change between re-runs: absolute paths.
         extra={"sources": {"aligned": str(aligned_dir.resolve()), "teacher": str(loaded.path.resolve() / (loaded.gguf_file or "")),

@@ -45,7 +45,7 @@ class BatchAligner:
         for bundle in self.bundles:
             if not getattr(bundle.tokenizer, "encode_special_tokens", False):
                 raise CsdError(f"tokenizer {bundle.source} would parse special tokens from corpus text; "
-                               "load it with csd_pipeline.vocab.load_tokenizer.")
+                               "load it with csd_pipeline.vocab.vocabulary.load_tokenizer.")
         self.schema = aligned_schema(len(teachers))
 
     def new_stats(self) -> dict:
@@ -66,7 +66,7 @@ class BatchAligner:
 
     def align_documents(self, documents: list, stats: dict):
         """Align a batch of non-empty documents; return their windows as an Arrow table (schema v1)."""
-        from csd_pipeline.alignment import align, cut_windows, token_spans
+        from csd_pipeline.align.chunks import align, cut_windows, token_spans
 
         texts = [d.text for d in documents]
         encoded = [t.encode("utf-8") for t in texts]
@@ -108,7 +108,7 @@ class BatchAligner:
             stats["tokens"][f"teacher{i}"] += int((ranges[:, 1] - ranges[:, 0]).sum())
 
     def _rows(self, documents, src, doc_bytes, student, teacher_spans, tables, windows, stats):
-        from csd_pipeline.alignment import ragged_arange
+        from csd_pipeline.align.chunks import ragged_arange
 
         lo, hi = windows.byte_range[:, 0], windows.byte_range[:, 1]
         docs = windows.doc.tolist()
@@ -163,7 +163,7 @@ def _with_head(values: np.ndarray, ranges: np.ndarray, head, *, first_content=No
     `first_content`: when given, replaces each row's first content value if it is ACCEPTED (used for
     NO_PREDICTOR). Returns (int32 offsets [W+1], flat values, bool mask of content positions).
     """
-    from csd_pipeline.alignment import ragged_arange
+    from csd_pipeline.align.chunks import ragged_arange
 
     r0, r1 = ranges[:, 0], ranges[:, 1]
     extra = 0 if head is None else 1

@@ -46,7 +46,7 @@ class TeacherShard(Sequence):
     def __init__(self, path, cache_bytes: int = 0):
         import pyarrow.parquet as pq
 
-        from csd_pipeline.topk_codec import ENCODING
+        from csd_pipeline.teacher.codec import ENCODING
         from schemas.teacher_topk import SCHEMA_VERSION
 
         self.path = Path(path)
@@ -84,7 +84,7 @@ class TeacherShard(Sequence):
         return len(self.row_ids)
 
     def _decode(self, block: int) -> list[TeacherTopkRow]:
-        from csd_pipeline.topk_codec import decode_block
+        from csd_pipeline.teacher.codec import decode_block
 
         if block in self._cached:
             self._cached.move_to_end(block)
@@ -139,7 +139,7 @@ def read_teacher_shard(directory, shard_file, cache_bytes: int = 0) -> TeacherSh
 
 def teacher_manifest(directory) -> dict:
     """The checked manifest of a teacher-logits output (ManifestError naming the stage to re-run)."""
-    from csd_pipeline.manifest import read_manifest
+    from csd_pipeline.runtime.manifest import read_manifest
     from schemas.teacher_topk import SCHEMA_VERSION, STAGE
 
     return read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION])
@@ -151,7 +151,7 @@ def read_teacher_topk(directory) -> Iterator[TeacherTopkRow]:
     Raises CsdError (before yielding) when the directory has no manifest, is another stage's output,
     has an unknown schema version or misses a shard.
     """
-    from csd_pipeline.manifest import verify_shards
+    from csd_pipeline.runtime.manifest import verify_shards
 
     manifest = teacher_manifest(directory)
     problems = verify_shards(manifest, directory)

@@ -219,7 +219,7 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False) -> TokenizerBun
     cached fixtures. Raises CsdError for a missing/unreadable file, a slow-only tokenizer or an
     unsupported family.
     """
-    from csd_pipeline.fixtures import resolve_tokenizer_arg
+    from csd_pipeline.fixtures.names import resolve_tokenizer_arg
 
     resolved = resolve_tokenizer_arg(str(arg))
     path = Path(resolved)

@@ -1,0 +1,1 @@
+"""Stage 2: corpus readers, chunk alignment, text and chat mode, the align stage."""

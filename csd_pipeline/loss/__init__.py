@@ -1,0 +1,1 @@
+"""CSD events per chunk (CPU) and the CSD loss (torch)."""

@@ -1,0 +1,1 @@
+"""What every stage shares: the executor, manifests, atomic files, model loading."""
