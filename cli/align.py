@@ -9,7 +9,9 @@ from cli.outputs import echo_run_report
 
 @click.command()
 @click.option("--corpus", "corpus", multiple=True, required=True, type=click.Path(),
-              help="A .txt/.jsonl/.json/.parquet file or a directory of them; repeatable.")
+              help="A .txt/.jsonl/.json/.parquet file (.txt/.jsonl/.json also as .zst or .gz), a datasets "
+                   "save_to_disk folder, hf:NAME[:CONFIG] (datasets.load_dataset, streamed), or a directory of "
+                   "them; repeatable.")
 @click.option("--student-tokenizer", required=True, help="tokenizer.json, tokenizer folder, hub name or fixture name.")
 @click.option("--teacher-tokenizer", "teacher_tokenizers", multiple=True, required=True,
               help="A teacher's tokenizer; repeat for several teachers (columns teacher0_*, teacher1_*, ...).")
@@ -28,6 +30,8 @@ from cli.outputs import echo_run_report
               help="S2T T2S: existing student->teacher and teacher->student tables, once per teacher in order "
                    "(default: build them).")
 @click.option("--text-field", default="text", show_default=True, help="The text field of .jsonl/.json/.parquet records.")
+@click.option("--split", default=None,
+              help="The split of a DatasetDict folder or an hf:NAME corpus (needed when it has several).")
 @click.option("--split-on-blank-lines", is_flag=True, help=".txt files: one document per blank-line-separated block.")
 @click.option("--shard-mb", default=4.0, show_default=True, type=float, help="Source text per output shard, in MiB.")
 @click.option("--batch-mb", default=1.0, show_default=True, type=float,
@@ -52,7 +56,7 @@ from cli.outputs import echo_run_report
 @click.option("--trust-remote-code", is_flag=True, help="Allow a hub tokenizer's remote code (off by default).")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_student_tokens, max_teacher_tokens,
-          no_context_token, tables, text_field, split_on_blank_lines, shard_mb, batch_mb, workers, rank, world_size,
+          no_context_token, tables, text_field, split, split_on_blank_lines, shard_mb, batch_mb, workers, rank, world_size,
           student_chat_template, teacher_chat_templates, include_thinking, alignment_regions,
           drop_first_assistant_chunk, trust_remote_code, quiet):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""
@@ -69,6 +73,7 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
         context_token=not no_context_token,
         text_field=text_field,
         split_on_blank_lines=split_on_blank_lines,
+        split=split,
         shard_bytes=int(shard_mb * (1 << 20)),
         tables=[tuple(pair) for pair in tables],
         batch_bytes=max(1, int(batch_mb * (1 << 20))),

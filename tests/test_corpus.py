@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import csd_pipeline.align.corpus as corpus
+import csd_pipeline.align.corpus.files as files
 from csd_pipeline.align.corpus import ReadOptions, discover, plan_shards, read_segment
 from csd_pipeline.errors import CsdError
 
@@ -40,15 +40,17 @@ def reference_blocks(data: bytes) -> list[tuple[int, bytes]]:
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=60).map(lambda b: bytes(b"ab \n\r\t"[x % 6] for x in b)), st.sampled_from([1, 2, 3, 7, 64]))
 def test_blank_line_blocks_match_a_line_reference(data, block):
-    saved = corpus._READ_BLOCK
-    corpus._READ_BLOCK = block  # small reads exercise blank runs that straddle two reads
+    saved = files.READ_BLOCK
+    files.READ_BLOCK = block  # small reads exercise blank runs that straddle two reads
     try:
         want = reference_blocks(data)
-        assert list(corpus._txt_blocks(io.BytesIO(data), 0)) == want
+        assert list(files.txt_blocks(io.BytesIO(data), 0)) == want
         for k, (offset, _) in enumerate(want):  # reading from any block start gives the same blocks
-            assert list(corpus._txt_blocks(io.BytesIO(data), offset)) == want[k:]
+            handle = io.BytesIO(data)
+            handle.seek(offset)
+            assert list(files.txt_blocks(handle, offset)) == want[k:]
     finally:
-        corpus._READ_BLOCK = saved
+        files.READ_BLOCK = saved
 
 
 def test_txt_documents_bom_and_invalid_utf8(tmp_path):

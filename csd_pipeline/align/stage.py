@@ -37,6 +37,7 @@ class AlignConfig:
     context_token: bool = True
     text_field: str = "text"
     split_on_blank_lines: bool = False
+    split: str | None = None  # the split of a DatasetDict folder or an hf:NAME corpus
     shard_bytes: int = 4 << 20
     tables: list[tuple[str, str]] = field(default_factory=list)  # per teacher (student->teacher, teacher->student)
     batch_bytes: int = 1 << 20
@@ -111,7 +112,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     rank, world_size = resolve_rank(rank, world_size)
     if workers < 1:
         raise CsdError(f"--workers {workers} is not positive; pass --workers 1 or more.")
-    files = discover(config.corpus)
+    files = discover(config.corpus, config.split)
     out = Path(config.output)
     if out.exists() and not out.is_dir():
         raise CsdError(f"--output {out} is a file; pass a directory.")
@@ -220,7 +221,7 @@ def _tokenizer_record(bundle, path: str, arg: str) -> dict:
 
 
 def _file_spec(file) -> dict:
-    return {"path": file.path, "source": file.source, "format": file.format}
+    return file.spec()
 
 
 def _recorded_tasks(out: Path, identity: dict, read_run_record):
@@ -357,7 +358,7 @@ def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
 
         batch, batch_bytes = [], 0
         for segment in spec["segments"]:
-            file = CorpusFile(segment["path"], segment["source"], segment["format"], 0, 0)
+            file = CorpusFile.from_spec(segment)
             for document in read_segment(file, segment, options):
                 stats["documents"]["read"] += 1
                 if document.text is None:
