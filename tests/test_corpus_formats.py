@@ -109,13 +109,17 @@ def test_compressed_files_read_like_the_plain_file(tmp_path, kind, compression):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.text(alphabet="ab é\n{}\"", max_size=40), min_size=1, max_size=30), st.integers(1, 200),
-       st.integers(1, 120), st.sampled_from(["zst", "gz"]), st.booleans())
-def test_any_frame_cut_and_shard_size_reads_like_the_plain_file(tmp_path_factory, texts, frame, target, ext, split):
+       st.integers(1, 120), st.sampled_from(["zst", "gz"]), st.booleans(), st.booleans())
+def test_any_frame_cut_and_shard_size_reads_like_the_plain_file(tmp_path_factory, texts, frame, target, ext, split, bom):
     tmp = tmp_path_factory.mktemp("cuts")
+    empty = zst(b"") if ext == "zst" else gz(b"")  # empty frames (members) are valid and hold no restart point
     for name, data in (("a.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()),
                        ("b.txt", "\n\n".join(texts).encode())):
+        data = b"\xef\xbb\xbf" + data if bom else data
         (tmp / name).write_bytes(data)
-        (tmp / f"{name}.{ext}").write_bytes(zst(data, frame) if ext == "zst" else gz(data, frame))
+        frames = [zst(data[i:i + frame]) if ext == "zst" else gz(data[i:i + frame]) for i in range(0, len(data), frame)]
+        frames[len(frames) // 2:len(frames) // 2] = [empty]
+        (tmp / f"{name}.{ext}").write_bytes(empty + b"".join(frames))
         options = ReadOptions(split_on_blank_lines=split)
         [plain], [packed] = discover([str(tmp / name)]), discover([str(tmp / f"{name}.{ext}")])
         want = [(d.record_index, d.text, d.reason) for d in read_segment(plain, WHOLE, options)]

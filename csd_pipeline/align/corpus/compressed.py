@@ -96,11 +96,14 @@ class FrameStream(io.RawIOBase):
 
     def skip(self, count: int) -> None:
         """Decompress and throw away `count` bytes."""
-        scratch = bytearray(1 << 20)
         while count:
-            n = self.readinto(memoryview(scratch)[:min(count, len(scratch))])
-            if not n:
-                raise _Broken(True, f"it ends {count} bytes before a planned record", self.produced)
+            if self._out_at == len(self._out):
+                piece = self._next_piece()
+                if piece is None:
+                    raise _Broken(True, f"it ends {count} bytes before a planned record", self.produced)
+                self._out, self._out_at = memoryview(piece), 0
+            n = min(count, len(self._out) - self._out_at)
+            self._out_at += n
             count -= n
 
     def restart_point(self, position: int) -> tuple[int, int]:
