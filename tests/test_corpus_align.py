@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_align_stage import rows_of, tables_for, tree  # noqa: F401 (tables_for is a fixture)
+from tests import test_align_stage
+from tests.test_align_stage import rows_of, tree
 from tests.test_corpus import reference_blocks
 from tests.test_corpus_formats import blocks, build_hub_cache, devil_records, gz, write_jsonl, zst
 
 REPO = Path(__file__).resolve().parent.parent
+tables_for = test_align_stage.tables_for  # the session fixture: (s2t, t2s) tables, cached
 
 
 @pytest.fixture(scope="module")

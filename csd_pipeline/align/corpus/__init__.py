@@ -33,7 +33,13 @@ segments of about `target_bytes` source bytes each, a pure function of the input
 """
 
 from csd_pipeline.align.corpus.documents import CorpusFile, Document, ReadOptions
-from csd_pipeline.align.corpus.plan import MAX_SHARDS_PER_REGION, SUFFIXES, discover, plan_shards, read_segment
+from csd_pipeline.align.corpus.plan import (
+    MAX_SHARDS_PER_REGION,
+    SUFFIXES,
+    discover,
+    plan_shards,
+    read_segment,
+)
 
 __all__ = ["CorpusFile", "Document", "ReadOptions", "MAX_SHARDS_PER_REGION", "SUFFIXES", "discover",
            "plan_shards", "read_segment"]

@@ -102,10 +102,14 @@ def _builder(name: str, config: str | None, arg: str):
         import datasets
     except ImportError:
         raise CsdError("--corpus hf:NAME needs the datasets package; pip install datasets.") from None
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity_error()  # its "using the cached version" notes, once per process and shard
     try:
         return datasets.load_dataset_builder(name, config)
     except Exception as err:  # ConnectionError offline, FileNotFoundError, ValueError for a config, ...
         raise _load_error(arg, err) from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _load_error(arg: str, err: Exception) -> CsdError:
