@@ -61,11 +61,11 @@ class _Broken(Exception):
 class FrameStream(io.RawIOBase):
     """The decompressed bytes of a .zst / .gz file from the frame that starts at compressed `offset`.
 
-    Keeps the restart point of every decompressed position it produced (`restart_point`).
+    With `track`, keeps the frame starts it passed for `restart_point` (planning).
     Raises `_Broken` when the file ends inside a frame or its data does not decompress.
     """
 
-    def __init__(self, file: CorpusFile, offset: int = 0):
+    def __init__(self, file: CorpusFile, offset: int = 0, track: bool = False):
         super().__init__()
         self._compression = file.compression
         self._raw = open(file.path, "rb")
@@ -74,6 +74,8 @@ class FrameStream(io.RawIOBase):
         self._decoder = None
         self._out, self._out_at = memoryview(b""), 0
         self.produced = 0  # decompressed bytes produced since `offset`
+        self._frame_at = offset  # compressed offset of the current frame
+        self._track = track
         self._frames = [(0, offset)]  # (decompressed start, compressed offset), increasing starts
 
     def readable(self) -> bool:
@@ -123,14 +125,14 @@ class FrameStream(io.RawIOBase):
                     self._pending = self._raw.read(_COMPRESSED_READ)
                     if not self._pending:
                         return None
-                self._decoder = _decoder(self._compression)
-                if self._frames[-1][0] < self.produced:  # an empty frame keeps the earlier restart point
+                self._decoder, self._frame_at = _decoder(self._compression), self._pending_at
+                if self._track and self._frames[-1][0] < self.produced:  # after an empty frame, the earlier one
                     self._frames.append((self.produced, self._pending_at))
             if not self._pending:
                 self._pending_at = self._raw.tell()
                 self._pending = self._raw.read(_COMPRESSED_READ)
                 if not self._pending:
-                    raise _Broken(True, f"the file ends inside the frame at compressed byte {self._frames[-1][1]}",
+                    raise _Broken(True, f"the file ends inside the frame at compressed byte {self._frame_at}",
                                   self.produced)
             data, at = self._pending, self._pending_at
             try:
@@ -180,7 +182,7 @@ def record_positions(file: CorpusFile, options: ReadOptions) -> Iterator[tuple[d
     layout = _json_layout(file) if file.format == "json" else None
     count = 0
     try:
-        with FrameStream(file) as stream:
+        with FrameStream(file, track=True) as stream:
             for position, size in _scan(stream, file.format, options, layout):
                 offset, skip = stream.restart_point(position)
                 yield ({"offset": offset, "skip": skip, "layout": layout} if layout else
