@@ -490,7 +490,7 @@ def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
     """align (chat) -> teacher-logits (SmolLM2) -> csd-train: CE only on the mask, KD only on the region."""
     from csd_pipeline.loss.events import ce_targets
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
-    from trainer.config import parse_args
+    from trainer.options import parse_args
     from trainer.loop import train
 
     short = sorted(records(FAQ), key=lambda r: len(json.dumps(r)))[:4] + [awkward("delimiters-as-text")]
