@@ -447,8 +447,9 @@ def test_end_of_turn_chunk_is_one_explicit_event(chat_dir):
     import pyarrow.parquet as pq
     import torch
 
-    from csd_pipeline.loss.events import EventContext, build_row_events
     from csd_pipeline.loss.csd import csd_divergence
+    from csd_pipeline.loss.event_context import EventContext
+    from csd_pipeline.loss.row_events import build_row_events
     from csd_pipeline.vocab.tables import load_table
 
     context = EventContext(load_table(chat_dir / "tables/teacher0/student_to_teacher.safetensors"),

@@ -355,7 +355,7 @@ class _BatchBuilder:
 
     def contexts(self):
         if self._contexts is None:
-            from csd_pipeline.loss.events import EventContext
+            from csd_pipeline.loss.event_context import EventContext
             from csd_pipeline.vocab.tables import load_table
 
             self._contexts = [
@@ -382,7 +382,8 @@ class _BatchBuilder:
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
-        from csd_pipeline.loss.events import build_row_events, ce_targets, collate_events, empty_events
+        from csd_pipeline.loss.events import ce_targets, collate_events, empty_events
+        from csd_pipeline.loss.row_events import build_row_events
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,
