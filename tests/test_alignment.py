@@ -271,12 +271,12 @@ def awkward_texts():
 @cache
 def aligner(student: str, teacher: str, max_tokens: int = 4096):
     from csd_pipeline.fixtures.names import tokenizer_path
-    from csd_pipeline.align.text_mode import BatchAligner
+    from csd_pipeline.align.text_mode import TextAligner
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     s = load_tokenizer(str(tokenizer_path(student)))
     t = load_tokenizer(str(tokenizer_path(teacher)))
-    return BatchAligner(s, [t], max_tokens, [max_tokens], True)
+    return TextAligner(s, [t], max_tokens, [max_tokens], True)
 
 
 def _pieces(vocab, ids, text_bytes):
