@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from csd_pipeline.align.chunks import align, cut_windows, ragged_arange, segment_sums, token_spans
 from csd_pipeline.align.corpus import Document
-from csd_pipeline.vocab.vocabulary import FLAG_UNTRUSTED, Vocabulary
+from csd_pipeline.vocab.families import FLAG_UNTRUSTED
+from csd_pipeline.vocab.vocabulary import Vocabulary
 from schemas.aligned import ChunkStatus
 
 # ---------------------------------------------------------------------------------------------

@@ -272,12 +272,12 @@ class ChatSide:
         tokens = ids[region.start:region.end]
         if b"".join(vocab.token_bytes[i] for i in tokens.tolist()) == region.text.encode("utf-8"):
             return None
-        from csd_pipeline.vocab.vocabulary import _ends_from_offsets
+        from csd_pipeline.vocab.vocabulary import byte_ends_from_offsets
 
         encoding = self._tokenizer.encode(region.text, add_special_tokens=False)
         if list(encoding.ids) != tokens.tolist():
             raise ChatRefusal("region_tokens_depend_on_context")
-        return _ends_from_offsets(region.text, encoding.offsets)
+        return byte_ends_from_offsets(region.text, encoding.offsets)
 
 
 def _final_turn_bounds(spans: list, keys: list, final: int, options: ChatOptions) -> list[tuple[str, int, int]]:
