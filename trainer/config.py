@@ -16,8 +16,8 @@ import typing
 from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.csd import DIVERGENCES
-from csd_pipeline.loss.events import SPELLING_MODES
+from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES
+from csd_pipeline.loss.events import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
 
 LOSSES = ("csd", "ce", "csd_1to1")
@@ -133,8 +133,8 @@ class LossConfig:
 
     loss: str = _opt("csd", "csd (default), ce (no KD) or csd_1to1 (only 1:1 chunks)", trajectory=True,
                      choices=LOSSES)
-    divergence: str = _opt("jsd", "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
-    beta: float = _opt(5.0, "weight of the non-1:1 chunks in the KD term", trajectory=True)
+    divergence: str = _opt(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
+    beta: float = _opt(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
     kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD",
                          trajectory=True, choices=KD_SCALES)
     kd_weight: float = _opt(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)",
@@ -143,7 +143,7 @@ class LossConfig:
                                    trajectory=True)
     teacher_temperature: float = _opt(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
                                            "P^(1/T), renormalised (1: the paper's)", trajectory=True)
-    spelling: str = _opt("sum", "tokens with equal bytes: sum their probabilities or exclude them",
+    spelling: str = _opt(DEFAULT_SPELLING, "tokens with equal bytes: sum their probabilities or exclude them",
                          trajectory=True, choices=SPELLING_MODES)
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
                                  "(0: all); compares top-k sizes without re-running the teacher", trajectory=True)

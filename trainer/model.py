@@ -27,8 +27,8 @@ class StudentWithLoss(torch.nn.Module):
     """A causal LM whose forward returns the CSD loss pieces instead of logits.
 
     forward(input_ids [B,S], position_ids [B,S], ce_positions [G], ce_tokens [G], teachers,
-    **loss options) -> dict with `ce` and `kd` (0-dim, already divided by the global counts,
-    see `csd_pipeline.loss.csd.csd_loss`) and `metrics` (detached). The combination with the dynamic
+    **loss options of `csd_pipeline.loss.csd.csd_loss`, with their defaults) -> dict with `ce` and
+    `kd` (0-dim, already divided by the global counts) and `metrics` (detached). The combination with the dynamic
     scale happens in the loop, which knows the all-rank values.
     """
 
@@ -48,9 +48,8 @@ class StudentWithLoss(torch.nn.Module):
             "use a decoder-only causal LM whose decoder holds a ModuleList of layers"
         )
 
-    def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *,
-                global_ce_tokens, global_chunk_counts=None, teacher_weights=None,
-                divergence="jsd", beta=5.0, teacher_temperature=1.0, chunk_size=1024):
+    def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *, global_ce_tokens,
+                **loss_options):
         from csd_pipeline.loss.csd import csd_loss
 
         hidden = self.model.get_decoder()(
@@ -58,12 +57,8 @@ class StudentWithLoss(torch.nn.Module):
         ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
-        out = csd_loss(
-            ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden, weight=weight,
-            teacher_weights=teacher_weights, global_ce_tokens=global_ce_tokens,
-            global_chunk_counts=global_chunk_counts, divergence=divergence, beta=beta,
-            teacher_temperature=teacher_temperature, chunk_size=chunk_size, kd_scale=0.0,
-        )
+        out = csd_loss(ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
+                       weight=weight, global_ce_tokens=global_ce_tokens, kd_scale=0.0, **loss_options)
         return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
 
 

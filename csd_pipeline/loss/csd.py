@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from csd_pipeline.loss.events import BatchEvents
 
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
+DEFAULT_DIVERGENCE = "jsd"  # the paper's
+DEFAULT_BETA = 5.0  # the paper's weight of the non-1:1 chunks in the KD term
 
 
 def check_divergence(divergence: str) -> None:
@@ -114,8 +116,8 @@ def csd_divergence(
     final_logprobs: torch.Tensor,
     events: BatchEvents,
     *,
-    divergence: str = "jsd",
-    beta: float = 5.0,
+    divergence: str = DEFAULT_DIVERGENCE,
+    beta: float = DEFAULT_BETA,
     teacher_temperature: float = 1.0,
 ) -> KdTerm:
     """Weighted sum of D(P_T^c, P_S^c) over the chunks of `events` (SPEC §5).
@@ -261,8 +263,8 @@ def csd_loss(
     teacher_weights: Sequence[float] | None = None,
     global_ce_tokens: int | float | None = None,
     global_chunk_counts: Sequence[int | float] | None = None,
-    divergence: str = "jsd",
-    beta: float = 5.0,
+    divergence: str = DEFAULT_DIVERGENCE,
+    beta: float = DEFAULT_BETA,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     kd_scale: torch.Tensor | float | None = None,
     teacher_temperature: float = 1.0,

@@ -25,6 +25,7 @@ from csd_pipeline.errors import CsdError
 SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N = 0, 1, 2, 3
 # How token ids that share a spelling enter the events: summed into one event, or sent to REST.
 SPELLING_MODES = ("sum", "exclude")
+DEFAULT_SPELLING = "sum"
 
 _INDEX_FIELDS = ("chain_pos", "chain_tok", "chain_chunk", "final_pos", "final_tok", "final_event", "event_chunk",
                  "chunk_shape")

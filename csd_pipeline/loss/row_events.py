@@ -17,6 +17,7 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.loss.chunk_events import EventBuilder
 from csd_pipeline.loss.event_context import EventContext
 from csd_pipeline.loss.events import (
+    DEFAULT_SPELLING,
     SHAPE_1_1,
     SHAPE_1_N,
     SHAPE_M_1,
@@ -64,7 +65,7 @@ def build_row_events(
     teacher,
     context: EventContext,
     *,
-    spelling: str = "sum",
+    spelling: str = DEFAULT_SPELLING,
     only_1to1: bool = False,
     source: str = "",
 ) -> BatchEvents:
