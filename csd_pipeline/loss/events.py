@@ -16,11 +16,13 @@ chunk. One row's events are built by `loss.row_events.build_row_events` (with th
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from csd_pipeline.errors import CsdError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
+# numpy is imported where it is used, so that `csd-train --help` (which reads SPELLING_MODES) stays instant.
 
 SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N = 0, 1, 2, 3
 # How token ids that share a spelling enter the events: summed into one event, or sent to REST.
@@ -63,6 +65,8 @@ class BatchEvents:
 
     def shape_counts(self) -> list[int]:
         """Accepted KD chunks per shape [1:1, 1:N, M:1, M:N] (computed on the CPU when possible)."""
+        import numpy as np
+
         counts = self.stats.get("shape_counts")
         if counts is not None:
             return list(counts)
@@ -93,6 +97,8 @@ class BatchEvents:
 
 def empty_events(stats: dict | None = None) -> BatchEvents:
     """Events with no chunks (a row without accepted chunks, or loss "ce")."""
+    import numpy as np
+
     z = np.zeros(0, dtype=np.int64)
     return BatchEvents(z, z, z, z, z, z, z, np.zeros(0, dtype=np.float64), z, dict(stats or {}))
 
@@ -103,6 +109,8 @@ def collate_events(rows: list[BatchEvents], row_offsets) -> BatchEvents:
     row_offsets: the flat position of each row's first token in the student hidden states
     ([B*T] padded or packed). Chunk and event indices are renumbered. Stats are summed.
     """
+    import numpy as np
+
     offsets = [int(o) for o in row_offsets]
     if len(offsets) != len(rows):
         raise CsdError(f"collate_events got {len(rows)} rows but {len(offsets)} row offsets; give one per row.")
@@ -133,6 +141,8 @@ def collate_events(rows: list[BatchEvents], row_offsets) -> BatchEvents:
 
 def ce_targets(student_ids_rows, loss_mask_rows, row_offsets) -> tuple[np.ndarray, np.ndarray]:
     """Flat CE targets (positions, tokens): position p predicts token p+1 where mask[p+1] is true."""
+    import numpy as np
+
     positions, tokens = [], []
     for ids, mask, off in zip(student_ids_rows, loss_mask_rows, row_offsets, strict=True):
         ids = np.asarray(ids, dtype=np.int64)
