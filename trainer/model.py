@@ -5,7 +5,8 @@ chunked CSD loss needs the whole LM-head weight and the final hidden states, so 
 wrapped in `StudentWithLoss`, whose forward runs the decoder body and then the loss:
 `fully_shard` goes on each decoder layer, then on the wrapper (the root group), which therefore
 owns the embeddings, the final norm and the LM head (tied or not) and has them unsharded while
-the loss runs.
+the loss runs. The student is built on the meta device and materialised after sharding
+(`build_sharded_student`), with the weights rank 0 builds once on the CPU (`build_student`).
 
 This module imports torch at the top: only the training entry point imports it, lazily.
 """
@@ -28,8 +29,8 @@ class StudentWithLoss(torch.nn.Module):
 
     forward(input_ids [B,S], position_ids [B,S], ce_positions [G], ce_tokens [G], teachers,
     **loss options of `csd_pipeline.loss.csd.csd_loss`, with their defaults) -> dict with `ce` and
-    `kd` (0-dim, already divided by the global counts) and `metrics` (detached). The combination with the dynamic
-    scale happens in the loop, which knows the all-rank values.
+    `kd` (0-dim, already divided by the global counts) and `metrics` (detached). The combination
+    with the dynamic scale happens in the loop, which knows the all-rank values.
     """
 
     def __init__(self, model):
