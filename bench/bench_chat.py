@@ -50,7 +50,7 @@ def _mask_exact(rows: list[dict], records: list[dict], vocab, eot: int) -> float
 
 def run(quick: bool = False) -> dict:
     from csd_pipeline.align.stage import load_bundle
-    from csd_pipeline.align.chat_render import ChatOptions
+    from csd_pipeline.align.chat_records import ChatOptions
     from csd_pipeline.align.chat_mode import ChatAligner
     from csd_pipeline.align.corpus import Document
     from csd_pipeline.fixtures.names import tokenizer_path

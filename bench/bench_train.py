@@ -63,7 +63,7 @@ def _prepare(tmp: Path, quick: bool) -> tuple[Path, Path, str]:
 
 
 def _config(aligned: Path, teacher: Path, student: Path, output: Path, batch_size: int, device: str):
-    from trainer.config import parse_args
+    from trainer.options import parse_args
 
     return parse_args(["--aligned", str(aligned), "--teacher-logits", str(teacher), "--student-config", str(student),
                        "--student-tokenizer", "llama-spm", "--output", str(output), "--seq-len", str(SEQ_LEN),
@@ -110,7 +110,7 @@ def _time_loader(config, workers: int, n_batches: int) -> float:
 
     from trainer.data import TrainingData
 
-    data = TrainingData.open(dataclasses.replace(config, workers=workers))
+    data = TrainingData.open(dataclasses.replace(config, data=dataclasses.replace(config.data, workers=workers)))
     loader = data.loader(0, 1, None)
     next(loader)
     start = time.perf_counter()

@@ -39,15 +39,15 @@ def diagnose(args) -> dict:
     from trainer.loop import _to_device, kd_scale
     from trainer.model import StudentWithLoss, build_student
 
-    config = TrainConfig(
+    config = TrainConfig.from_options(dict(
         aligned=args.aligned, teacher_logits=[args.teacher_logits], output="/nonexistent",
         student=args.student, student_config=None if args.student else args.student_config,
         student_tokenizer=args.student_tokenizer, seq_len=args.seq_len, batch_size=args.batch_size,
         workers=0, seed=args.seed, device="cpu", dtype="float32", teacher_top_k=args.teacher_top_k,
-    ).validate()
+    )).validate()
     torch.manual_seed(config.seed)
     data = TrainingData.open(config)
-    wrapper = StudentWithLoss(build_student(config, data.student_vocab.size))
+    wrapper = StudentWithLoss(build_student(config.student, config.seed, data.student_vocab.size))
     device = torch.device("cpu")
     loader = data.loader(0, 1, None)
     rows: dict = {}
@@ -61,7 +61,7 @@ def diagnose(args) -> dict:
                           teacher_weights=[1.0], divergence=divergence, beta=args.beta,
                           teacher_temperature=args.teacher_temperature)
             ce, kd = out["ce"], out["kd"]
-            scale = kd_scale(float(ce.detach()), float(kd.detach()), config)  # the trainer's dynamic scale
+            scale = kd_scale(float(ce.detach()), float(kd.detach()), config.loss)  # the trainer's dynamic scale
             g_ce = _flat_grad(wrapper, ce)
             g_kd = _flat_grad(wrapper, scale * kd)
             metrics = out["metrics"]

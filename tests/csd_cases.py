@@ -108,12 +108,14 @@ def cached_table(source, destination):
     import os
     from pathlib import Path
 
+    import csd_pipeline.vocab.families
     import csd_pipeline.vocab.tables
     import csd_pipeline.vocab.vocabulary
     from csd_pipeline.fixtures.names import fixture_dir
     from csd_pipeline.vocab.tables import build_table, load_table
 
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)))
+    modules = (csd_pipeline.vocab.families, csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules))
     folder = fixture_dir() / "test-cache" / "tables"
     folder.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
@@ -129,7 +131,7 @@ def cached_table(source, destination):
 
 def event_context(tokenizer_path, student: str, teacher: str):
     """(student bundle, teacher bundle, EventContext) with both tables loaded once per session."""
-    from csd_pipeline.loss.events import EventContext
+    from csd_pipeline.loss.event_context import EventContext
 
     key = (student, teacher)
     if key not in _CONTEXTS:

@@ -33,12 +33,14 @@ def tables_for(tokenizer_path):
     Building a pair takes seconds, so tables are cached next to the fixtures, keyed by the
     tokenizers' fingerprints and the source of the modules that build them (any change rebuilds).
     """
+    import csd_pipeline.vocab.families
     import csd_pipeline.vocab.tables
     import csd_pipeline.vocab.vocabulary
     from csd_pipeline.fixtures.names import fixture_dir
     from csd_pipeline.vocab.tables import build_table
 
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)))
+    modules = (csd_pipeline.vocab.families, csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules))
     folder = fixture_dir() / "test-cache" / "tables"
     folder.mkdir(parents=True, exist_ok=True)
 

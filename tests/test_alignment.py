@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from csd_pipeline.align.chunks import align, cut_windows, ragged_arange, segment_sums, token_spans
 from csd_pipeline.align.corpus import Document
-from csd_pipeline.vocab.vocabulary import FLAG_UNTRUSTED, Vocabulary
+from csd_pipeline.vocab.families import FLAG_UNTRUSTED
+from csd_pipeline.vocab.vocabulary import Vocabulary
 from schemas.aligned import ChunkStatus
 
 # ---------------------------------------------------------------------------------------------
@@ -271,12 +272,12 @@ def awkward_texts():
 @cache
 def aligner(student: str, teacher: str, max_tokens: int = 4096):
     from csd_pipeline.fixtures.names import tokenizer_path
-    from csd_pipeline.align.text_mode import BatchAligner
+    from csd_pipeline.align.text_mode import TextAligner
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     s = load_tokenizer(str(tokenizer_path(student)))
     t = load_tokenizer(str(tokenizer_path(teacher)))
-    return BatchAligner(s, [t], max_tokens, [max_tokens], True)
+    return TextAligner(s, [t], max_tokens, [max_tokens], True)
 
 
 def _pieces(vocab, ids, text_bytes):

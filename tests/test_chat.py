@@ -1,4 +1,4 @@
-"""Chat mode (csd_pipeline/align/chat_render.py, chat_align.py): real templates, real tokenizers, real chat data.
+"""Chat mode (csd_pipeline/align/chat_records.py, chat_layout.py, chat_render.py, chat_mode.py): real templates, real tokenizers, real chat data.
 
 References used here are independent of the code under test: transformers' own chat-template
 renderer, the `tokenizers` library parsing special tokens from the whole rendering, and brute-force
@@ -17,7 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from csd_pipeline.align.chat_render import ChatOptions, ChatRefusal, ChatSide, load_chat_template
+from csd_pipeline.align.chat_records import ChatOptions, ChatRefusal
+from csd_pipeline.align.chat_render import ChatSide
+from csd_pipeline.align.templates import load_chat_template
 from csd_pipeline.align.chat_mode import ChatAligner
 from csd_pipeline.align.corpus import Document
 from csd_pipeline.errors import CsdError
@@ -169,7 +171,7 @@ def test_faq_rendering_matches_transformers_renderer():
 def test_gguf_templates_reach_the_fixture_configs(fixtures_dir):
     # The SmolLM2 and Qwen2 GGUFs carry tokenizer.chat_template; the fixtures (built with the gguf
     # library) copied it into tokenizer_config.json; --*-chat-template FILE.gguf reads it directly.
-    from csd_pipeline.align.chat_render import gguf_chat_template
+    from csd_pipeline.align.templates import gguf_chat_template
 
     for name, gguf in (("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"), ("qwen2", "ggml-vocab-qwen2.gguf")):
         path = fixtures_dir / "gguf" / gguf
@@ -447,8 +449,9 @@ def test_end_of_turn_chunk_is_one_explicit_event(chat_dir):
     import pyarrow.parquet as pq
     import torch
 
-    from csd_pipeline.loss.events import EventContext, build_row_events
     from csd_pipeline.loss.csd import csd_divergence
+    from csd_pipeline.loss.event_context import EventContext
+    from csd_pipeline.loss.row_events import build_row_events
     from csd_pipeline.vocab.tables import load_table
 
     context = EventContext(load_table(chat_dir / "tables/teacher0/student_to_teacher.safetensors"),
@@ -490,8 +493,8 @@ def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
     """align (chat) -> teacher-logits (SmolLM2) -> csd-train: CE only on the mask, KD only on the region."""
     from csd_pipeline.loss.events import ce_targets
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
-    from trainer.config import parse_args
     from trainer.loop import train
+    from trainer.options import parse_args
 
     short = sorted(records(FAQ), key=lambda r: len(json.dumps(r)))[:4] + [awkward("delimiters-as-text")]
     corpus = tmp_path / "chat.jsonl"

@@ -16,19 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.events import build_row_events, ce_targets, collate_events
-from csd_pipeline.loss.csd import (
-    chunked_token_logprobs,
-    csd_divergence,
-    csd_loss,
-    dense_token_logprobs,
-)
-from tests.loss_reference import (
-    ReferenceTeacher,
-    ReferenceVocab,
-    reference_chunk_distributions,
-    reference_loss,
-)
+from csd_pipeline.loss.csd import csd_divergence, csd_loss
+from csd_pipeline.loss.events import ce_targets, collate_events
+from csd_pipeline.loss.row_events import build_row_events
+from csd_pipeline.loss.token_logprobs import chunked_token_logprobs, dense_token_logprobs
 from tests.csd_cases import (
     ACCEPTED,
     MISMATCH,
@@ -37,6 +28,12 @@ from tests.csd_cases import (
     load_texts,
     row_shapes,
     topk_from_dense,
+)
+from tests.loss_reference import (
+    ReferenceTeacher,
+    ReferenceVocab,
+    reference_chunk_distributions,
+    reference_loss,
 )
 
 DATA = Path(__file__).parent / "data"

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from csd_pipeline.errors import CsdError
-from trainer.config import TrainConfig, check_resume_compatible, parse_args
+from trainer.config import TrainConfig, check_resume_compatible
+from trainer.options import parse_args
 
 BASE = ["--aligned", "A", "--output", "O", "--student", "S", "--loss", "ce"]
 
@@ -20,11 +21,11 @@ def test_sources_apply_in_order(tmp_path):
                                     "student": "S", "teacher_logits": ["T0"]}))
     config = parse_args(["--config", str(path), "seq_len=256", "--lr", "0.002", "--teacher-logits", "T1",
                          "--teacher-logits", "T2", "grad-accum=3", "--no-progress"])
-    assert config.aligned == "from-yaml"
-    assert config.seq_len == 256 and config.lr == 0.002 and config.grad_accum == 3
-    assert config.teacher_logits == ["T1", "T2"]  # a flag replaces the YAML list, repeats append
+    assert config.data.aligned == "from-yaml"
+    assert config.data.seq_len == 256 and config.optimizer.lr == 0.002 and config.optimizer.grad_accum == 3
+    assert config.data.teacher_logits == ["T1", "T2"]  # a flag replaces the YAML list, repeats append
     assert config.progress is False
-    assert parse_args([*BASE, "--resume"]).resume is True
+    assert parse_args([*BASE, "--resume"]).checkpoints.resume is True
     assert parse_args([*BASE, "resume=true", "--kd-teachers=0:1.0"]).teacher_weights() == {0: 1.0}
 
 
@@ -79,7 +80,7 @@ def test_help_is_instant_and_lists_every_option():
     for f in ("--aligned", "--teacher-logits", "--student-config", "--grad-accum", "--eval-every"):
         assert f in out.stdout
     assert out.stdout.strip().endswith("False")  # --help never imports torch
-    assert TrainConfig().beta == 5.0
+    assert TrainConfig().loss.beta == 5.0
 
 
 def test_cli_error_is_one_line():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from csd_pipeline.errors import CsdError
-from trainer.config import parse_args
 from trainer.loop import train
+from trainer.options import parse_args
 
 
 def args(data, teacher, output, *extra):
@@ -34,13 +34,13 @@ def direct_first_batch_loss(config, **loss_options):
     loader = data.loader(0, 1, None)
     batch = next(loader)
     loader.close()
-    model = build_student(config, data.student_vocab.size)
+    model = build_student(config.student, config.seed, data.student_vocab.size)
     with torch.no_grad():
         logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
                        use_cache=False).logits
     out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
                    logits=logits.reshape(-1, logits.shape[-1]).double(),
-                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.beta, **loss_options)
+                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.loss.beta, **loss_options)
     return out, batch
 
 

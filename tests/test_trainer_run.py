@@ -11,8 +11,8 @@ import torch
 
 from csd_pipeline.errors import CsdError
 from trainer import checkpoint
-from trainer.config import parse_args
 from trainer.loop import train
+from trainer.options import parse_args
 
 COMPARED = ("step", "loss", "ce", "kd", "lr", "grad_norm", "tokens", "ce_tokens", "chunks_1to1", "chunks_MtoN")
 

@@ -99,27 +99,27 @@ class TrainingData:
 
     @classmethod
     def open(cls, config) -> TrainingData:
-        """Read and cross-check the manifests of `config.aligned` and `config.teacher_logits`."""
+        """Read and cross-check the manifests of `--aligned` and `--teacher-logits` (a `TrainConfig`)."""
         from csd_pipeline.runtime.manifest import read_manifest, require_fingerprint, verify_shards
         from csd_pipeline.vocab.vocabulary import load_tokenizer
         from schemas.aligned import SCHEMA_VERSION, STAGE
 
-        aligned_dir = Path(config.aligned)
+        aligned_dir = Path(config.data.aligned)
         manifest = read_manifest(aligned_dir, stage=STAGE, schema_versions=[SCHEMA_VERSION])
         problems = verify_shards(manifest, aligned_dir)
         if problems:
             raise CsdError(f"aligned directory {aligned_dir}: {problems[0]}; re-run `{ALIGN_RERUN}` into it")
         max_student = _find_key(manifest, ("config", "max_student_tokens"))
-        if max_student is not None and int(max_student) > config.seq_len:
+        if max_student is not None and int(max_student) > config.data.seq_len:
             raise CsdError(
                 f"{aligned_dir} was aligned with --max-student-tokens {max_student}, more than --seq-len "
-                f"{config.seq_len}, so a window may not fit a packed row; raise --seq-len to {max_student} or re-run "
-                f"`{ALIGN_RERUN}` with --max-student-tokens <= {config.seq_len}"
+                f"{config.data.seq_len}, so a window may not fit a packed row; raise --seq-len to {max_student} or "
+                f"re-run `{ALIGN_RERUN}` with --max-student-tokens <= {config.data.seq_len}"
             )
         from trainer.model import student_tokenizer_source
 
-        tokenizer_source = student_tokenizer_source(config)
-        bundle = load_tokenizer(tokenizer_source, trust_remote_code=config.trust_remote_code)
+        tokenizer_source = student_tokenizer_source(config.student)
+        bundle = load_tokenizer(tokenizer_source, trust_remote_code=config.student.trust_remote_code)
         recorded = _find_key(manifest, ("tokenizers", "student", "fingerprint"))
         require_fingerprint(manifest, aligned_dir, "student tokenizer", recorded, bundle.vocab.fingerprint)
         num_teachers = len(_find_key(manifest, ("tokenizers", "teachers")) or [])
@@ -127,9 +127,9 @@ class TrainingData:
         if total == 0:
             raise CsdError(f"aligned directory {aligned_dir} holds no rows; align a non-empty corpus with `{ALIGN_RERUN}`")
         teachers = []
-        if config.loss != "ce":
+        if config.loss.uses_teachers:
             weights = config.teacher_weights()
-            sources = [_open_teacher(Path(d), aligned_dir, manifest) for d in config.teacher_logits]
+            sources = [_open_teacher(Path(d), aligned_dir, manifest) for d in config.data.teacher_logits]
             by_index: dict[int, tuple[Path, dict]] = {}
             for directory, teacher_manifest, index in sources:
                 if index in by_index:
@@ -155,18 +155,18 @@ class TrainingData:
             raise CsdError(f"aligned directory {self.aligned_dir} has {total} rows, fewer than the {world} ranks; "
                            "align more text or use fewer ranks")
         state = _check_state(state)
+        data, loss = self.config.data, self.config.loss
         spec = LoaderSpec(
             aligned_dir=str(self.aligned_dir), shard_files=list(self.shard_files), shard_rows=self.shard_rows,
             teacher_dirs=[str(t.directory) for t in self.teachers],
             teacher_shard_files=[[s["file"] for s in t.manifest["shards"]] for t in self.teachers],
             teacher_indices=[t.index for t in self.teachers], tables=self.tables_for_teachers(),
-            seed=self.config.seed, shuffle_block=self.config.shuffle_block, seq_len=self.config.seq_len,
-            batch_size=self.config.batch_size, spelling=self.config.spelling,
-            only_1to1=self.config.loss == "csd_1to1", rank=rank, world=world, epoch=state["epoch"],
-            position=state["position"], pad_id=self.pad_id(), teacher_top_k=self.config.teacher_top_k,
-            teacher_cache_bytes=self.config.teacher_cache_mb << 20,
+            seed=self.config.seed, shuffle_block=data.shuffle_block, seq_len=data.seq_len,
+            batch_size=data.batch_size, spelling=loss.spelling, only_1to1=loss.only_1to1, rank=rank, world=world,
+            epoch=state["epoch"], position=state["position"], pad_id=self.pad_id(), teacher_top_k=loss.teacher_top_k,
+            teacher_cache_bytes=data.teacher_cache_mb << 20,
         )
-        return BatchLoader(spec, self.config.workers)
+        return BatchLoader(spec, data.workers)
 
     def pad_id(self) -> int:
         roles = self.student_vocab.roles
@@ -355,7 +355,7 @@ class _BatchBuilder:
 
     def contexts(self):
         if self._contexts is None:
-            from csd_pipeline.loss.events import EventContext
+            from csd_pipeline.loss.event_context import EventContext
             from csd_pipeline.vocab.tables import load_table
 
             self._contexts = [
@@ -382,7 +382,8 @@ class _BatchBuilder:
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
-        from csd_pipeline.loss.events import build_row_events, ce_targets, collate_events, empty_events
+        from csd_pipeline.loss.events import ce_targets, collate_events, empty_events
+        from csd_pipeline.loss.row_events import build_row_events
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,

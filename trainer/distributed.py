@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from csd_pipeline.errors import CsdError
-
 
 @dataclass(frozen=True)
 class DistContext:
@@ -29,21 +27,20 @@ class DistContext:
 def setup(device: str = "auto") -> DistContext:
     """Initialise the default process group for this process and pick its device.
 
-    `device`: "auto" (CUDA when available), "cpu" or "cuda". Raises `CsdError` when CUDA is
-    asked for but missing.
+    `device`: "auto" (this rank's GPU, `LOCAL_RANK`, when CUDA is available), "cpu" or "cuda"
+    (`csd_pipeline.runtime.model_loading.resolve_device`). Raises `CsdError` when CUDA is asked
+    for but missing.
     """
     import torch
     import torch.distributed as dist
 
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CsdError("--device cuda but no CUDA device is visible; use --device cpu or check the GPU driver")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    from csd_pipeline.runtime.model_loading import resolve_device
+
+    dev = resolve_device(device)
+    use_cuda = dev.type == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
+        torch.cuda.set_device(dev)
     backend = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

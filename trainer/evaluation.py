@@ -113,7 +113,7 @@ def bits_per_byte(model, aligned_dir, side="student", *, seq_len: int = 2048, ba
     """
     import torch
 
-    from csd_pipeline.loss.csd import chunked_token_logprobs
+    from csd_pipeline.loss.token_logprobs import chunked_token_logprobs
 
     device = next(model.parameters()).device
     nats, n_bytes, n_tokens, n_rows = 0.0, 0, 0, 0

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
 from csd_pipeline.errors import CsdError
+from schemas.aligned import SHAPES
 from trainer import checkpoint, distributed
-from trainer.config import TrainConfig, check_resume_compatible, write_resolved
+from trainer.config import LossConfig, OptimizerConfig, TrainConfig, check_resume_compatible, write_resolved
 from trainer.metrics import MetricsLogger
+from trainer.model import export_hf
 
-SHAPE_KEYS = ("1to1", "1toN", "Mto1", "MtoN")
+# metrics.jsonl spells the shapes without a colon: chunks_1to1, chunks_1toN, chunks_Mto1, chunks_MtoN
+SHAPE_KEYS = tuple(shape.replace(":", "to") for shape in SHAPES)
 # per-teacher diagnostics of csd_pipeline.loss.csd (means over the ranks and micro-steps that had chunks)
 LOSS_DIAGNOSTICS = ("events_per_chunk", "teacher_event_mass", "student_rest_mass", "divergence_per_chunk")
 RESOLVED_CONFIG = "config.yaml"
@@ -38,7 +42,7 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(wrapper, config: TrainConfig):
+def build_optimizer(wrapper, config: OptimizerConfig):
     """AdamW (no weight decay on vectors: norms, biases) and the warm-up + cosine schedule."""
     decay = [p for p in wrapper.parameters() if p.ndim >= 2]
     no_decay = [p for p in wrapper.parameters() if p.ndim < 2]
@@ -50,23 +54,18 @@ def build_optimizer(wrapper, config: TrainConfig):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def _param_dtype(config: TrainConfig, device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-
-
 def _prepare_output(config: TrainConfig, ctx) -> None:
     # every rank checks (same files, same verdict: no rank waits on one that gave up), then rank 0 writes
-    out = Path(config.output)
+    out = Path(config.checkpoints.output)
     saved = out / RESOLVED_CONFIG
+    resume = config.checkpoints.resume
     if out.exists() and not out.is_dir():
         raise CsdError(f"--output {out} is a file; pass a directory")
-    if checkpoint.complete_checkpoints(out) and not config.resume:
+    if checkpoint.complete_checkpoints(out) and not resume:
         raise CsdError(f"{out} already holds checkpoints; pass --resume to continue that run "
                        "or choose a new --output")
-    if config.resume and saved.is_file():
-        from trainer.config import load_yaml
+    if resume and saved.is_file():
+        from trainer.options import load_yaml
 
         check_resume_compatible(config, load_yaml(str(saved)), str(out))
     distributed.barrier()
@@ -91,52 +90,40 @@ def train(config: TrainConfig) -> dict:
 
 def build_components(config: TrainConfig, ctx):
     """The checked data, the sharded student wrapper, the optimizer and the schedule of a run."""
+    from csd_pipeline.runtime.model_loading import resolve_dtype
     from trainer.data import TrainingData
-    from trainer.model import StudentWithLoss, build_student, shard_student
+    from trainer.model import build_sharded_student
 
     data = TrainingData.open(config)
-    model = build_student(config, data.student_vocab.size)
-    wrapper = StudentWithLoss(model)
-    shard_student(wrapper, ctx.device, _param_dtype(config, ctx.device))
-    optimizer, scheduler = build_optimizer(wrapper, config)
+    wrapper = build_sharded_student(config.student, config.seed, data.student_vocab.size, ctx,
+                                    resolve_dtype(config.student.dtype, ctx.device))
+    optimizer, scheduler = build_optimizer(wrapper, config.optimizer)
     return data, wrapper, optimizer, scheduler
 
 
 def _train(config: TrainConfig, ctx) -> dict:
-    from trainer.model import export_hf
-
     torch.manual_seed(config.seed)
     _prepare_output(config, ctx)
     data, wrapper, optimizer, scheduler = build_components(config, ctx)
-
     torch.manual_seed(config.seed + 1000003 * ctx.rank)  # per-rank stream after the shared initialisation
-    step, counters, loader_state = 0, {"nonfinite_skipped": 0, "tokens_seen": 0}, None
-    if config.resume:
-        checkpoint.clean_partial(config.output, ctx)
-        resumed = checkpoint.load_checkpoint(config.output, wrapper, optimizer, ctx)
-        if resumed is not None:
-            step, loader_state = resumed.step, resumed.loader_state
-            scheduler.load_state_dict(resumed.trainer["scheduler"])
-            counters.update(resumed.trainer.get("counters", {}))
+    step, counters, loader_state, resumed_from = _resume(config, ctx, wrapper, optimizer, scheduler)
 
+    steps, output = config.optimizer.steps, config.checkpoints.output
     loader = data.loader(ctx.rank, ctx.world, loader_state)
-    metrics = MetricsLogger(config.output, ctx.is_main, config.steps, step, config.progress and ctx.is_main)
+    metrics = MetricsLogger(output, ctx.is_main, steps, step, config.progress and ctx.is_main)
     if step:
-        metrics.message(f"resumed from {resumed.path} at step {step}")
-    weights = data.teacher_weights
-    state_after = loader_state
+        metrics.message(f"resumed from {resumed_from} at step {step}")
     last: dict = {}
     evaluated_at = None
     start_time = time.perf_counter()
-    last_step = min(config.steps, config.stop_at_step or config.steps)
+    last_step = min(steps, config.checkpoints.stop_at_step or steps)
     try:
         while step < last_step:
             step += 1
             t0 = time.perf_counter()
-            micro = [next(loader) for _ in range(config.grad_accum)]
+            micro = [next(loader) for _ in range(config.optimizer.grad_accum)]
             data_wait = time.perf_counter() - t0
-            state_after = micro[-1].state
-            record = train_step(wrapper, optimizer, scheduler, micro, weights, config, ctx)
+            record = train_step(wrapper, optimizer, scheduler, micro, data.teacher_weights, config, ctx)
             counters["tokens_seen"] += record["tokens"]
             counters["nonfinite_skipped"] += int(record["skipped"])
             elapsed = time.perf_counter() - t0
@@ -145,35 +132,56 @@ def _train(config: TrainConfig, ctx) -> dict:
                           nonfinite_skipped=counters["nonfinite_skipped"], epoch=micro[-1].state["epoch"])
             metrics.log_step(record)
             last = record
-            if config.eval_aligned and config.eval_every and step % config.eval_every == 0:
+            evaluation = config.evaluation
+            if evaluation.eval_aligned and evaluation.eval_every and step % evaluation.eval_every == 0:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
                 evaluated_at = step
-            if (config.save_every and step % config.save_every == 0) or step == last_step:
-                checkpoint.save_checkpoint(
-                    config.output, step, wrapper, optimizer,
-                    {"scheduler": scheduler.state_dict(), "counters": counters}, state_after, ctx,
-                    config.keep_last,
-                )
-            if config.export_every and step % config.export_every == 0 and step != config.steps:
-                export_hf(wrapper, data.student_tokenizer, Path(config.output) / f"{EXPORT_DIR}-step-{step}",
-                          ctx.is_main)
-        if step == config.steps:
-            if config.eval_aligned and evaluated_at != step:
+            _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1].state, data)
+        if step == steps:
+            if config.evaluation.eval_aligned and evaluated_at != step:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
-            export_hf(wrapper, data.student_tokenizer, Path(config.output) / EXPORT_DIR, ctx.is_main)
+            export_hf(wrapper, data.student_tokenizer, Path(output) / EXPORT_DIR, ctx.is_main)
     finally:
         metrics.close()
         loader.close()
-    return {"step": step, "last": last, "output": config.output, "counters": counters}
+    return {"step": step, "last": last, "output": output, "counters": counters}
 
 
-def _evaluate(wrapper, config, ctx, data, step, metrics) -> None:
+def _resume(config: TrainConfig, ctx, wrapper, optimizer, scheduler) -> tuple[int, dict, dict | None, Path | None]:
+    """(step, run counters, this rank's loader state, checkpoint folder) restored from the latest checkpoint
+    with `--resume`; the start of the run otherwise."""
+    counters = {"nonfinite_skipped": 0, "tokens_seen": 0}
+    if not config.checkpoints.resume:
+        return 0, counters, None, None
+    checkpoint.clean_partial(config.checkpoints.output, ctx)
+    resumed = checkpoint.load_checkpoint(config.checkpoints.output, wrapper, optimizer, ctx)
+    if resumed is None:
+        return 0, counters, None, None
+    scheduler.load_state_dict(resumed.trainer["scheduler"])
+    counters.update(resumed.trainer.get("counters", {}))
+    return resumed.step, counters, resumed.loader_state, resumed.path
+
+
+def _save(config: TrainConfig, ctx, step: int, final: bool, wrapper, optimizer, scheduler, counters: dict,
+          loader_state: dict, data) -> None:
+    """The checkpoint (every `--save-every` steps and at the last step of this process) and `--export-every` export."""
+    options = config.checkpoints
+    if (options.save_every and step % options.save_every == 0) or final:
+        checkpoint.save_checkpoint(
+            options.output, step, wrapper, optimizer, {"scheduler": scheduler.state_dict(), "counters": counters},
+            loader_state, ctx, options.keep_last,
+        )
+    if options.export_every and step % options.export_every == 0 and step != config.optimizer.steps:
+        export_hf(wrapper, data.student_tokenizer, Path(options.output) / f"{EXPORT_DIR}-step-{step}", ctx.is_main)
+
+
+def _evaluate(wrapper, config: TrainConfig, ctx, data, step: int, metrics) -> None:
     from trainer.evaluation import bits_per_byte_fsdp
 
-    result = bits_per_byte_fsdp(wrapper, config.eval_aligned, ctx, seq_len=config.seq_len,
-                                batch_size=config.batch_size, max_rows=config.eval_max_rows,
+    result = bits_per_byte_fsdp(wrapper, config.evaluation.eval_aligned, ctx, seq_len=config.data.seq_len,
+                                batch_size=config.data.batch_size, max_rows=config.evaluation.eval_max_rows,
                                 student_fingerprint=data.student_vocab.fingerprint,
-                                chunk_size=config.loss_chunk_size or None)
+                                chunk_size=config.loss.loss_chunk_size or None)
     metrics.log_eval({"step": step, **result})
 
 
@@ -190,78 +198,104 @@ def _to_device(micro, device):
     }
 
 
+@dataclass
+class StepCounts:
+    """What one optimizer step holds over all ranks and micro-steps, all-reduced before the first forward."""
+
+    ce_tokens: float      # CE targets: the CE term is divided by this
+    tokens: float         # content tokens
+    padding: float        # padding tokens of the packed rows
+    rows: float           # aligned rows (windows)
+    shapes: list          # per teacher: accepted KD chunks per shape (SHAPES order)
+
+    @property
+    def chunks(self) -> list[float]:
+        """Per teacher: accepted KD chunks (each teacher's KD term is divided by its count)."""
+        return [sum(c) for c in self.shapes]
+
+    @classmethod
+    def all_reduce(cls, micro: list, n_teachers: int, device) -> StepCounts:
+        local = [sum(len(m.ce_positions) for m in micro), sum(m.content_tokens for m in micro),
+                 sum(m.padding_tokens for m in micro), sum(m.windows for m in micro)]
+        for t in range(n_teachers):
+            local += [sum(m.shape_counts[t][s] for m in micro) for s in range(len(SHAPES))]
+        totals = distributed.all_reduce_sum(local, device)
+        width = len(SHAPES)
+        shapes = [totals[4 + width * t: 4 + width * (t + 1)] for t in range(n_teachers)]
+        return cls(totals[0], totals[1], totals[2], totals[3], shapes)
+
+
 def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list[float], config: TrainConfig,
                ctx) -> dict:
     """One optimizer step over the prefetched micro-batches; returns the step's global metrics."""
-    n_teachers = len(teacher_weights)
-    # Global counts over ranks and micro-steps, known before the first forward.
-    local = [sum(len(m.ce_positions) for m in micro), sum(m.content_tokens for m in micro),
-             sum(m.padding_tokens for m in micro)]
-    for t in range(n_teachers):
-        local += [sum(m.shape_counts[t][s] for m in micro) for s in range(4)]
-    local.append(sum(m.windows for m in micro))
-    totals = distributed.all_reduce_sum(local, ctx.device)
-    rows = totals[-1]
-    ce_tokens, tokens, padding = totals[0], totals[1], totals[2]
-    shape_counts = [totals[3 + 4 * t: 7 + 4 * t] for t in range(n_teachers)]
-    chunk_counts = [sum(c) for c in shape_counts]
-    if ce_tokens <= 0:
+    counts = StepCounts.all_reduce(micro, len(teacher_weights), ctx.device)
+    if counts.ce_tokens <= 0:
         raise CsdError("a global batch has no student tokens to train on; check student_loss_mask in the "
                        "aligned shards (chat mode trains only the final assistant turn)")
-
-    ce_total = kd_total = loss_total = 0.0
-    teacher_kd = [0.0] * n_teachers
-    diagnostics = [0.0] * (n_teachers * (len(LOSS_DIAGNOSTICS) + 1))  # sums, then how many contributed
-    scales = []
-    for batch in micro:
-        inputs = _to_device(batch, ctx.device)
-        out = wrapper(**inputs, global_ce_tokens=ce_tokens, global_chunk_counts=chunk_counts,
-                      teacher_weights=teacher_weights, divergence=config.divergence, beta=config.beta,
-                      teacher_temperature=config.teacher_temperature,
-                      chunk_size=config.loss_chunk_size or None)
-        pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
-        pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
-        pieces += _diagnostics(out["metrics"], n_teachers)
-        ce_m, kd_m, *rest = distributed.all_reduce_sum(pieces, ctx.device)
-        kd_teachers, diag_m = rest[:n_teachers], rest[n_teachers:]
-        scale = kd_scale(ce_m, kd_m, config)
-        loss = out["ce"] + scale * out["kd"] if scale else out["ce"]
-        (loss * ctx.world).backward()
-        ce_total += ce_m
-        kd_total += kd_m
-        loss_total += ce_m + scale * kd_m
-        scales.append(scale)
-        teacher_kd = [a + b for a, b in zip(teacher_kd, kd_teachers, strict=True)]
-        diagnostics = [a + b for a, b in zip(diagnostics, diag_m, strict=True)]
-
-    grad_norm = _clip_grad_norm(wrapper, config.grad_clip)
-    nonfinite = distributed.agree_any(not (math.isfinite(loss_total) and math.isfinite(grad_norm)), ctx.device)
+    sums = _forward_backward(wrapper, micro, counts, teacher_weights, config.loss, ctx)
+    grad_norm = _clip_grad_norm(wrapper, config.optimizer.grad_clip)
+    nonfinite = distributed.agree_any(not (math.isfinite(sums["loss"]) and math.isfinite(grad_norm)), ctx.device)
     lr = scheduler.get_last_lr()[0]
     if not nonfinite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
+    return _step_record(counts, sums, lr=lr, grad_norm=grad_norm, skipped=nonfinite)
 
-    record = {"loss": loss_total, "ce": ce_total, "kd": kd_total, "lr": lr, "grad_norm": grad_norm,
-              "tokens": int(tokens), "ce_tokens": int(ce_tokens), "padding_tokens": int(padding),
-              "aligned_rows": int(rows), "supervised_tokens_per_row": ce_tokens / rows if rows else 0.0,
-              "skipped": bool(nonfinite)}
+
+def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights: list[float], loss: LossConfig,
+                      ctx) -> dict:
+    """Forward and backward of every micro-batch; returns the all-rank sums of the step's loss pieces."""
+    n_teachers = len(teacher_weights)
+    sums = {"ce": 0.0, "kd": 0.0, "loss": 0.0, "scales": [], "teacher_kd": [0.0] * n_teachers,
+            # per teacher: the LOSS_DIAGNOSTICS sums, then how many micro-steps contributed
+            "diagnostics": [0.0] * (n_teachers * (len(LOSS_DIAGNOSTICS) + 1))}
+    for batch in micro:
+        out = wrapper(**_to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
+                      global_chunk_counts=counts.chunks, teacher_weights=teacher_weights,
+                      divergence=loss.divergence, beta=loss.beta, teacher_temperature=loss.teacher_temperature,
+                      chunk_size=loss.loss_chunk_size or None)
+        pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
+        pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
+        pieces += _diagnostics(out["metrics"], n_teachers)
+        ce_m, kd_m, *rest = distributed.all_reduce_sum(pieces, ctx.device)
+        scale = kd_scale(ce_m, kd_m, loss)
+        step_loss = out["ce"] + scale * out["kd"] if scale else out["ce"]
+        (step_loss * ctx.world).backward()
+        sums["ce"] += ce_m
+        sums["kd"] += kd_m
+        sums["loss"] += ce_m + scale * kd_m
+        sums["scales"].append(scale)
+        sums["teacher_kd"] = [a + b for a, b in zip(sums["teacher_kd"], rest[:n_teachers], strict=True)]
+        sums["diagnostics"] = [a + b for a, b in zip(sums["diagnostics"], rest[n_teachers:], strict=True)]
+    return sums
+
+
+def _step_record(counts: StepCounts, sums: dict, *, lr: float, grad_norm: float, skipped: bool) -> dict:
+    """The metrics.jsonl record of one step (without the timing fields the loop adds)."""
+    rows = counts.rows
+    record = {"loss": sums["loss"], "ce": sums["ce"], "kd": sums["kd"], "lr": lr, "grad_norm": grad_norm,
+              "tokens": int(counts.tokens), "ce_tokens": int(counts.ce_tokens), "padding_tokens": int(counts.padding),
+              "aligned_rows": int(rows), "supervised_tokens_per_row": counts.ce_tokens / rows if rows else 0.0,
+              "skipped": bool(skipped)}
     for s, key in enumerate(SHAPE_KEYS):
-        record[f"chunks_{key}"] = int(sum(c[s] for c in shape_counts))
-    record["kd_scale"] = sum(scales) / len(scales)
+        record[f"chunks_{key}"] = int(sum(c[s] for c in counts.shapes))
+    record["kd_scale"] = sum(sums["scales"]) / len(sums["scales"])
+    n_teachers = len(counts.shapes)
     width = len(LOSS_DIAGNOSTICS) + 1
     for t in range(n_teachers):
         prefix = f"teacher{t}_" if n_teachers > 1 else ""
         if n_teachers > 1:
-            record[f"teacher{t}_kd"] = teacher_kd[t]
-            record[f"teacher{t}_chunks"] = int(chunk_counts[t])
-        sums, count = diagnostics[t * width:t * width + width - 1], diagnostics[t * width + width - 1]
-        if count:
-            record.update({prefix + key: value / count for key, value in zip(LOSS_DIAGNOSTICS, sums, strict=True)})
+            record[f"teacher{t}_kd"] = sums["teacher_kd"][t]
+            record[f"teacher{t}_chunks"] = int(counts.chunks[t])
+        diagnostics = sums["diagnostics"][t * width:(t + 1) * width]
+        if diagnostics[-1]:
+            record.update({prefix + key: value / diagnostics[-1]
+                           for key, value in zip(LOSS_DIAGNOSTICS, diagnostics[:-1], strict=True)})
     return record
 
 
-def kd_scale(ce: float, kd: float, config: TrainConfig) -> float:
+def kd_scale(ce: float, kd: float, config: LossConfig) -> float:
     """The KD multiplier of one micro-step from its all-rank CE and KD values.
 
     dynamic: w * sg(CE/KD), so that the KD term weighs w times the CE (L = CE when KD is 0);

@@ -12,7 +12,7 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     """Parse `argv` (default: sys.argv[1:]), train, exit 0; a `CsdError` prints one line and exits 2."""
     from csd_pipeline.errors import CsdError
-    from trainer.config import help_text, parse_args
+    from trainer.options import help_text, parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):

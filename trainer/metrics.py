@@ -15,7 +15,6 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
-TIMING_KEYS = ("tokens_per_s", "step_time_s", "elapsed_s", "data_wait_s")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

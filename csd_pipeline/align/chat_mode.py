@@ -1,14 +1,14 @@
 """Chat mode of the align stage: one aligned row (schemas/aligned.py, version 1) per chat record.
 
-`ChatAligner` has the interface of `align_stage.BatchAligner` (`new_stats`, `align_documents`), so the
+`ChatAligner` has the interface of `text_mode.TextAligner` (`new_stats`, `align_documents`), so the
 align stage's shard writer drives either. Per record (a `corpus.Document` whose text is the record's
-JSON), every side renders the conversation with its own template (`chat.ChatSide`); the sides must
+JSON), every side renders the conversation with its own template (`chat_render.ChatSide`); the sides must
 render the final turn's regions to the same text and the message strings (the history) alike, else
 the record is refused with a counted reason. Then, per teacher, a row's chunks are:
 
     context (everything before the first region)        1 chunk, OUTSIDE_LOSS_REGION
     each content region (reasoning, close, answer)      byte-exact chunks, exactly as text mode
-                                                        (`alignment.token_spans` + `alignment.align`)
+                                                        (`chunks.token_spans` + `chunks.align`)
     the end-of-turn pair                                1:1, ACCEPTED (paired by position: the
                                                         special token each template emits right
                                                         after the content)
@@ -27,7 +27,9 @@ import json
 
 import numpy as np
 
-from csd_pipeline.align.chat_render import ChatOptions, ChatRefusal, ChatSide, load_chat_template
+from csd_pipeline.align.chat_records import ChatOptions, ChatRefusal
+from csd_pipeline.align.chat_render import ChatSide
+from csd_pipeline.align.templates import load_chat_template
 from csd_pipeline.errors import CsdError
 from schemas.aligned import ChunkStatus, aligned_schema, teacher_columns
 
@@ -36,7 +38,7 @@ CHAT_FLAGS = ("--student-chat-template", "--teacher-chat-template", "--include-t
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage hooks (called by align_stage)
+# Stage hooks (called by the align stage, align/stage.py)
 
 
 def chat_options(config) -> ChatOptions | None:
@@ -116,7 +118,7 @@ def make_chat_aligner(config: dict, student, teachers) -> ChatAligner:
 class ChatAligner:
     """Renders, compares and aligns chat records into aligned rows (an Arrow table per batch).
 
-    student / teachers: `vocab.TokenizerBundle`s. templates: per side (student first, then each teacher)
+    student / teachers: `vocab.vocabulary.TokenizerBundle`s. templates: per side (student first, then each teacher)
     a template file or None (the tokenizer's own). Raises `CsdError` when a template cannot be loaded
     or does not work with its tokenizer (`check`).
     """

@@ -1,17 +1,11 @@
-"""Chat mode: render each model's own chat template and find the final assistant turn in its tokens.
+"""Chat mode: render each side's own chat template and find the final assistant turn in its tokens.
 
-A chat record is `{"messages": [{"role", "content", ...}], "tools"?: [...]}`; an assistant message may
-carry its reasoning as `reasoning_content` (aliases `thinking`, `reasoning`) or inline as
-`<think>...</think>` at the start of its content. One side (the student or a teacher) renders the
-record in four steps (`ChatSide.render`):
+One side (the student or a teacher) renders a chat record (`chat_records`) in four steps
+(`ChatSide.render`):
 
-1. Sentinels. The template renders the conversation twice: once with every content and reasoning
-   string replaced by a unique sentinel of private-use characters, once with the real strings.
-   Splitting the sentinel rendering at the sentinels gives the template's own text (pieces) and
-   where each message string goes. The real rendering must equal the pieces with each string put
-   back, verbatim or as the template trimmed it (`strip`, `lstrip`, `rstrip`, of whitespace or
-   newlines only); anything else (a template that rewrites content or branches on it) refuses
-   the record. So the position of every message string in the rendering is known exactly.
+1. Sentinels. The template renders the conversation with sentinels and with the real strings;
+   `chat_layout.string_layout` finds where each message string lies in the real rendering, or
+   refuses the record.
 2. Special tokens come only from the template: the template's pieces are searched for the
    tokenizer's special tokens; message strings never are (a message that contains
    `<|im_start|>` stays text). The text between special tokens is tokenized with special-token
@@ -25,7 +19,7 @@ record in four steps (`ChatSide.render`):
 4. Everything before the first region is context, everything after `eot` is the tail.
 
 A record that cannot be rendered exactly raises `ChatRefusal(reason)`; the align stage counts it.
-`chat_align.py` compares the sides and aligns the regions.
+`chat_mode.py` compares the sides and aligns the regions.
 """
 
 from __future__ import annotations
@@ -36,81 +30,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from csd_pipeline.align.templates import (
-    ChatTemplate,
-    TemplateRenderError,
-    gguf_chat_template,
-    load_chat_template,
+from csd_pipeline.align.chat_layout import SENTINEL_END, SENTINEL_START, complement, sentinel, string_layout
+from csd_pipeline.align.chat_records import (
+    REASONING_FIELDS,
+    ChatOptions,
+    ChatRefusal,
+    record_messages,
+    split_inline_thinking,
+    strings_outside_content,
+    with_reasoning_aliases,
 )
+from csd_pipeline.align.templates import ChatTemplate, TemplateRenderError
 from csd_pipeline.errors import CsdError
-
-__all__ = ["ChatOptions", "ChatRefusal", "ChatSide", "ChatTemplate", "RenderedChat", "Region", "gguf_chat_template",
-           "load_chat_template"]
-
-REGIONS = ("reasoning", "close", "answer", "eot")
-CONTENT_REGIONS = ("reasoning", "close", "answer")
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-# Sentinel k: START + k in private-use digits + END. Message strings may not contain START/END.
-_START, _END, _DIGIT0 = "\ue000", "\ue001", 0xE010
-_SENTINEL = re.compile(_START + "([\ue010-\ue019]+)" + _END)
-_TRIMS = ((None, None), ("strip", None), ("lstrip", None), ("rstrip", None),
-          ("strip", "\n"), ("lstrip", "\n"), ("rstrip", "\n"))
-_WALK_LIMIT = 20_000  # steps of the trimmed-layout search before a record is refused as ambiguous
-
-
-class ChatRefusal(Exception):
-    """A chat record that cannot be rendered or aligned exactly; `reason` is the counted key."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """What chat mode supervises (see docs/CHAT.md).
-
-    include_thinking: the final turn's reasoning and its closing marker are trained on too.
-    alignment_regions: the regions whose chunks enter KD (subset of REGIONS); empty = all supervised.
-    drop_first_assistant_chunk: per teacher, exclude the first accepted content chunk from KD.
-    """
-
-    include_thinking: bool = False
-    alignment_regions: tuple[str, ...] = ()
-    drop_first_assistant_chunk: tuple[bool, ...] = ()
-
-    def validate(self, num_teachers: int) -> None:
-        """Raise `CsdError` for an unsupported combination (one sentence naming the option)."""
-        unknown = [r for r in self.alignment_regions if r not in REGIONS]
-        if unknown:
-            raise CsdError(f"--alignment-regions {','.join(unknown)} is unknown; choose from {','.join(REGIONS)}.")
-        if self.alignment_regions and not self.include_thinking:
-            raise CsdError("--alignment-regions selects <think> regions and needs --include-thinking; add it, or drop "
-                           "--alignment-regions to align the answer and end-of-turn token.")
-        if self.drop_first_assistant_chunk and len(self.drop_first_assistant_chunk) != num_teachers:
-            raise CsdError(f"--drop-first-assistant-chunk has {len(self.drop_first_assistant_chunk)} entries for "
-                           f"{num_teachers} teachers; name teacher indices 0..{num_teachers - 1}.")
-
-    def supervised(self) -> tuple[str, ...]:
-        """Regions in the student's loss mask."""
-        return REGIONS if self.include_thinking else ("answer", "eot")
-
-    def kd_regions(self) -> tuple[str, ...]:
-        """Regions whose accepted chunks stay accepted (the others become OUTSIDE_LOSS_REGION)."""
-        return tuple(self.alignment_regions) or self.supervised()
-
-    def drops_first(self, teacher: int) -> bool:
-        return bool(self.drop_first_assistant_chunk) and self.drop_first_assistant_chunk[teacher]
-
-    def record(self) -> dict:
-        """JSON form for the manifest."""
-        return {"include_thinking": self.include_thinking, "alignment_regions": list(self.alignment_regions),
-                "drop_first_assistant_chunk": list(self.drop_first_assistant_chunk)}
-
-
-# ---------------------------------------------------------------------------------------------
-# One side's rendering
 
 
 @dataclass
@@ -145,7 +76,7 @@ class RenderedChat:
 class ChatSide:
     """A tokenizer with its chat template: renders records into tokens with the final turn located.
 
-    `bundle` is a `vocab.TokenizerBundle`. Raises `CsdError` (via `check`) when the template and the
+    `bundle` is a `vocab.vocabulary.TokenizerBundle`. Raises `CsdError` (via `check`) when the template and the
     tokenizer do not work together (e.g. the template's end-of-turn marker is not a special token).
     """
 
@@ -165,13 +96,13 @@ class ChatSide:
 
     def _renders_reasoning(self) -> bool:
         """Whether the template renders an assistant message's `reasoning_content` (a `<think>` block)."""
-        messages = [{"role": "user", "content": _sentinel(0)},
-                    {"role": "assistant", "content": _sentinel(1), "reasoning_content": _sentinel(2)}]
+        messages = [{"role": "user", "content": sentinel(0)},
+                    {"role": "assistant", "content": sentinel(1), "reasoning_content": sentinel(2)}]
         try:
             text = self.template.render(messages, None, self.variables)
         except TemplateRenderError:
             return False
-        return _sentinel(2) in text
+        return sentinel(2) in text
 
     def check(self, options: ChatOptions) -> None:
         """Render a small probe conversation; raise `CsdError` naming the template when it cannot work."""
@@ -192,52 +123,14 @@ class ChatSide:
 
     def render(self, record: dict, options: ChatOptions) -> RenderedChat:
         """Render `record` on this side; raises `ChatRefusal` when it cannot be done exactly."""
-        messages, tools = _messages(record)
-        if self.native_reasoning:
-            messages = [_split_inline_thinking(m) for m in messages]
-        final = len(messages) - 1
-        strings: dict[tuple[int, str], str] = {}
-        masked = []
-        for i, message in enumerate(messages):
-            message = dict(message)
-            for key in ("content", *REASONING_FIELDS):
-                value = message.get(key)
-                if isinstance(value, str) and (key == "content" or value):
-                    if _START in value or _END in value:
-                        raise ChatRefusal("private_use_marker_in_content")
-                    strings[(i, key)] = value
-                    message[key] = _sentinel(len(strings) - 1)
-            masked.append(_with_reasoning_aliases(message))
-        self._check_outside_content(masked, tools)
-        keys = list(strings)
-        real_messages = [_with_reasoning_aliases(m) for m in messages]
-        try:
-            sentinel_text = self.template.render(masked, tools, self.variables)
-            real_text = self.template.render(real_messages, tools, self.variables)
-        except TemplateRenderError:
-            raise ChatRefusal("template_error") from None
-        spans = _layout(sentinel_text, real_text, [strings[k] for k in keys])
+        real_text, spans, keys, final = self._render_strings(record)
+        bounds = _final_turn_bounds(spans, keys, final, options)
         fields: dict = {}
         for k, start, end in spans:
             fields.setdefault(keys[k], []).append(real_text[start:end])
-        answer = [(s, e) for k, s, e in spans if keys[k] == (final, "content")]
-        if len(answer) != 1:
-            raise ChatRefusal("final_content_not_rendered" if not answer else "final_content_rendered_twice")
-        a0, a1 = answer[0]
-        bounds = [("answer", a0, a1)]
-        if options.include_thinking:
-            reasoning = [(s, e) for k, s, e in spans if keys[k][0] == final and keys[k][1] in REASONING_FIELDS]
-            if len(reasoning) > 1:
-                raise ChatRefusal("final_reasoning_rendered_twice")
-            if reasoning:
-                r0, r1 = reasoning[0]
-                if r1 > a0 or any(s < a0 and e > r1 for _, s, e in spans):
-                    raise ChatRefusal("reasoning_not_before_answer")
-                bounds = [("reasoning", r0, r1), ("close", r1, a0), ("answer", a0, a1)]
-            elif any(k[0] == final and k[1] in REASONING_FIELDS for k in keys):
-                raise ChatRefusal("reasoning_not_rendered")
-        content_spans = [(s, e) for _, s, e in spans]
-        ids, cut_tokens, specials = self._tokenize(real_text, content_spans, sorted({b for _, s, e in bounds for b in (s, e)}))
+        a1 = next(end for name, _, end in bounds if name == "answer")
+        cuts = sorted({b for _, s, e in bounds for b in (s, e)})
+        ids, cut_tokens, specials = self._tokenize(real_text, [(s, e) for _, s, e in spans], cuts)
         eot = specials.get(a1)
         if eot is None:
             raise ChatRefusal("no_end_of_turn_after_content")
@@ -252,11 +145,38 @@ class ChatSide:
             regions.append(region)
         return RenderedChat(real_text, ids, regions, eot, {k: tuple(v) for k, v in fields.items()})
 
+    def _render_strings(self, record: dict) -> tuple[str, list[tuple[int, int, int]], list[tuple[int, str]], int]:
+        """(the rendering, [(string index, start, end)] of every rendered message string, the (message, field)
+        of each string index, the index of the final message); raises `ChatRefusal`."""
+        messages, tools = record_messages(record)
+        if self.native_reasoning:
+            messages = [split_inline_thinking(m) for m in messages]
+        strings: dict[tuple[int, str], str] = {}
+        masked = []
+        for i, message in enumerate(messages):
+            message = dict(message)
+            for key in ("content", *REASONING_FIELDS):
+                value = message.get(key)
+                if isinstance(value, str) and (key == "content" or value):
+                    if SENTINEL_START in value or SENTINEL_END in value:
+                        raise ChatRefusal("private_use_marker_in_content")
+                    strings[(i, key)] = value
+                    message[key] = sentinel(len(strings) - 1)
+            masked.append(with_reasoning_aliases(message))
+        self._check_outside_content(masked, tools)
+        try:
+            sentinel_text = self.template.render(masked, tools, self.variables)
+            real_text = self.template.render([with_reasoning_aliases(m) for m in messages], tools, self.variables)
+        except TemplateRenderError:
+            raise ChatRefusal("template_error") from None
+        keys = list(strings)
+        return real_text, string_layout(sentinel_text, real_text, [strings[k] for k in keys]), keys, len(messages) - 1
+
     def _check_outside_content(self, messages: list, tools) -> None:
         """Strings the template renders as its own text (roles, tool definitions and calls) may not hold a
         special token's text or a sentinel marker: they would become control tokens."""
-        for text in _strings_outside_content(messages, tools):
-            if _START in text or _END in text:
+        for text in strings_outside_content(messages, tools):
+            if SENTINEL_START in text or SENTINEL_END in text:
                 raise ChatRefusal("private_use_marker_in_content")
             if self._special_re is not None and self._special_re.search(text):
                 raise ChatRefusal("special_token_text_outside_content")
@@ -311,7 +231,7 @@ class ChatSide:
         pieces: list[tuple] = []
         position = 0
         if self._special_re is not None:
-            for t0, t1 in _complement(content_spans, len(text)):
+            for t0, t1 in complement(content_spans, len(text)):
                 for match in self._special_re.finditer(text, t0, t1):
                     s, e = match.span()
                     token_id, lstrip, rstrip = self._added[match.group()]
@@ -352,173 +272,33 @@ class ChatSide:
         tokens = ids[region.start:region.end]
         if b"".join(vocab.token_bytes[i] for i in tokens.tolist()) == region.text.encode("utf-8"):
             return None
-        from csd_pipeline.vocab.vocabulary import _ends_from_offsets
+        from csd_pipeline.vocab.vocabulary import byte_ends_from_offsets
 
         encoding = self._tokenizer.encode(region.text, add_special_tokens=False)
         if list(encoding.ids) != tokens.tolist():
             raise ChatRefusal("region_tokens_depend_on_context")
-        return _ends_from_offsets(region.text, encoding.offsets)
-
-    def encode_plain(self, text: str) -> list[int]:
-        """Ids of `text` as this side tokenizes message text (no special tokens, no dummy prefix)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return byte_ends_from_offsets(region.text, encoding.offsets)
 
 
-# ---------------------------------------------------------------------------------------------
-# Records
-
-
-def _messages(record) -> tuple[list[dict], list | None]:
-    """The record's messages (checked) and tools; raises `ChatRefusal` for a malformed record."""
-    if not isinstance(record, dict):
-        raise ChatRefusal("record_not_object")
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ChatRefusal("missing_messages")
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ChatRefusal("malformed_message")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            raise ChatRefusal("content_not_string")
-        for key in REASONING_FIELDS:
-            if message.get(key) is not None and not isinstance(message[key], str):
-                raise ChatRefusal("reasoning_not_string")
-    final = messages[-1]
-    if final["role"] != "assistant":
-        raise ChatRefusal("last_message_not_assistant")
-    if not isinstance(final.get("content"), str) or not final["content"]:
-        raise ChatRefusal("empty_final_content")
-    if final.get("tool_calls"):
-        raise ChatRefusal("final_message_has_tool_calls")
-    tools = record.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise ChatRefusal("tools_not_list")
-    return messages, tools
-
-
-def _split_inline_thinking(message: dict) -> dict:
-    """An assistant message with `<think>r</think>a` content and no reasoning field -> reasoning r, content a
-    (for templates that render reasoning themselves, as Qwen3's does with inline content)."""
-    content = message.get("content")
-    if (message.get("role") != "assistant" or not isinstance(content, str) or "</think>" not in content
-            or any(message.get(k) is not None for k in REASONING_FIELDS)):
-        return message
-    head, _, answer = content.partition("</think>")
-    lead, opened, reasoning = head.partition("<think>")
-    if not opened or lead.strip():
-        return message
-    return {**message, "content": answer, "reasoning_content": reasoning}
-
-
-def _with_reasoning_aliases(message: dict) -> dict:
-    """Give a message's reasoning under every name templates read (as transformers does)."""
-    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
-        return message
-    return {**message, **{k: reasoning for k in REASONING_FIELDS}}
-
-
-def _strings_outside_content(messages: list, tools):
-    def walk(value):
-        if isinstance(value, str):
-            yield value
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                yield str(key)
-                yield from walk(item)
-        elif isinstance(value, list | tuple):
-            for item in value:
-                yield from walk(item)
-
-    for message in messages:
-        for key, value in message.items():
-            if key not in ("content", *REASONING_FIELDS):
-                yield from walk(value)
-    yield from walk(tools)
-
-
-def _sentinel(k: int) -> str:
-    return _START + "".join(chr(_DIGIT0 + int(d)) for d in str(k)) + _END
-
-
-def _sentinel_index(match) -> int:
-    return int("".join(str(ord(c) - _DIGIT0) for c in match.group(1)))
-
-
-def _trimmed(value: str, how) -> str:
-    method, chars = how
-    return value if method is None else getattr(value, method)(chars)
-
-
-def _layout(sentinel_text: str, real_text: str, strings: list[str]) -> list[tuple[int, int, int]]:
-    """Where each message string lies in `real_text`: [(string index, start, end)] in order.
-
-    `sentinel_text` is the rendering with sentinels; the real rendering must be its template pieces with
-    each sentinel replaced by its string, verbatim or trimmed (the same trims as templates use). The
-    search tries verbatim first and backtracks (bounded); raises `ChatRefusal` when no layout exists.
-    """
-    pieces, order = [], []
-    position = 0
-    for match in _SENTINEL.finditer(sentinel_text):
-        pieces.append(sentinel_text[position:match.start()])
-        index = _sentinel_index(match)
-        if index >= len(strings):
-            raise ChatRefusal("template_invents_content")
-        order.append(index)
-        position = match.end()
-    pieces.append(sentinel_text[position:])
-    if any(_START in p or _END in p for p in pieces):
-        raise ChatRefusal("template_cuts_content")
-    # Fast path: every string verbatim.
-    spans, cursor, out = [], 0, []
-    for piece, index in zip(pieces, order):
-        cursor += len(piece)
-        out.append(piece)
-        out.append(strings[index])
-        spans.append((index, cursor, cursor + len(strings[index])))
-        cursor += len(strings[index])
-    out.append(pieces[-1])
-    if "".join(out) == real_text:
-        return spans
-    # Trimmed layout: depth-first over the trims of each occurrence.
-    if not real_text.startswith(pieces[0]):
-        raise ChatRefusal("template_changes_with_content")
-    stack = [(0, len(pieces[0]), 0)]  # (occurrence, position in real_text, next trim to try)
-    chosen: list[tuple[int, int, int]] = []
-    steps = 0
-    while stack:
-        steps += 1
-        if steps > _WALK_LIMIT:
-            raise ChatRefusal("template_layout_ambiguous")
-        occurrence, at, trim = stack.pop()
-        del chosen[occurrence:]
-        if occurrence == len(order):
-            if at == len(real_text):
-                return chosen
-            continue
-        if trim + 1 < len(_TRIMS):
-            stack.append((occurrence, at, trim + 1))
-        value = _trimmed(strings[order[occurrence]], _TRIMS[trim])
-        if any(value == _trimmed(strings[order[occurrence]], t) for t in _TRIMS[:trim]):
-            continue  # the same text as an earlier trim
-        after = pieces[occurrence + 1]
-        if real_text.startswith(value, at) and real_text.startswith(after, at + len(value)):
-            chosen.append((order[occurrence], at, at + len(value)))
-            stack.append((occurrence + 1, at + len(value) + len(after), 0))
-    raise ChatRefusal("template_changes_with_content")
-
-
-def _complement(spans: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """The gaps between sorted, non-overlapping spans within [0, length)."""
-    gaps, position = [], 0
-    for start, end in spans:
-        if position < start:
-            gaps.append((position, start))
-        position = max(position, end)
-    if position < length:
-        gaps.append((position, length))
-    return gaps
+def _final_turn_bounds(spans: list, keys: list, final: int, options: ChatOptions) -> list[tuple[str, int, int]]:
+    """(region, start, end) character ranges of the final turn's regions in the rendering; raises `ChatRefusal`."""
+    answer = [(s, e) for k, s, e in spans if keys[k] == (final, "content")]
+    if len(answer) != 1:
+        raise ChatRefusal("final_content_not_rendered" if not answer else "final_content_rendered_twice")
+    a0, a1 = answer[0]
+    if not options.include_thinking:
+        return [("answer", a0, a1)]
+    reasoning = [(s, e) for k, s, e in spans if keys[k][0] == final and keys[k][1] in REASONING_FIELDS]
+    if len(reasoning) > 1:
+        raise ChatRefusal("final_reasoning_rendered_twice")
+    if reasoning:
+        r0, r1 = reasoning[0]
+        if r1 > a0 or any(s < a0 and e > r1 for _, s, e in spans):
+            raise ChatRefusal("reasoning_not_before_answer")
+        return [("reasoning", r0, r1), ("close", r1, a0), ("answer", a0, a1)]
+    if any(k[0] == final and k[1] in REASONING_FIELDS for k in keys):
+        raise ChatRefusal("reasoning_not_rendered")
+    return [("answer", a0, a1)]
 
 
 def _token_text(value) -> str | None:

@@ -4,7 +4,7 @@
 the corpus (`corpus.plan_shards`), builds or copies the sub-token tables into
 `DIR/tables/teacher{i}/` and hands the shards to the shared executor. Each shard is written by
 `make_shard_processor`: documents are read in order, aligned in batches by the mode's aligner
-(`text_align.BatchAligner`, or `chat_align` in chat mode) and written as Parquet row groups of a
+(`text_mode.TextAligner`, or `chat_mode.ChatAligner` in chat mode) and written as Parquet row groups of a
 fixed number of rows (zstd). Shard bytes depend only on the shard's documents and the config.
 """
 
@@ -25,7 +25,7 @@ COMPRESSION_LEVEL = 3
 
 @dataclass
 class AlignConfig:
-    """Options of `csd-pipeline align` (text mode; chat mode in `chat_align.py`, docs/CHAT.md)."""
+    """Options of `csd-pipeline align` (text mode; chat mode in `chat_mode.py`, docs/CHAT.md)."""
 
     corpus: list[str]
     student_tokenizer: str
@@ -312,10 +312,10 @@ def make_shard_processor(config: dict):
 
         aligner = make_chat_aligner(config, student, teachers)
     else:
-        from csd_pipeline.align.text_mode import BatchAligner
+        from csd_pipeline.align.text_mode import TextAligner
 
-        aligner = BatchAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
-                               config["context_token"])
+        aligner = TextAligner(student, teachers, config["max_student_tokens"], config["max_teacher_tokens"],
+                              config["context_token"])
 
     def process(task, tmp_path: Path):
         return write_shard(task.spec, tmp_path, aligner, config)
@@ -326,7 +326,7 @@ def make_shard_processor(config: dict):
 def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
     """Read the shard's documents, align them in batches and write one Parquet file to `tmp_path`.
 
-    `aligner` is a `text_align.BatchAligner` or a `chat_align` aligner (`new_stats`, `align_documents`,
+    `aligner` is a `text_mode.TextAligner` or a `chat_mode.ChatAligner` (`new_stats`, `align_documents`,
     `teachers`).
     """
     import pyarrow.parquet as pq

@@ -1,9 +1,9 @@
 """Text mode of the align stage: a batch of documents -> aligned rows (schemas/aligned.py, version 1).
 
-`BatchAligner.align_documents` tokenizes the batch once per distinct tokenizer (`encode_batch_fast`:
+`TextAligner.align_documents` tokenizes the batch once per distinct tokenizer (`encode_batch_fast`:
 spans come from token bytes, not offsets), aligns the student with every teacher
-(`alignment.token_spans`, `alignment.align`, vectorised over the batch), cuts windows
-(`alignment.cut_windows`) and builds the Arrow table directly from numpy buffers. Documents whose
+(`chunks.token_spans`, `chunks.align`, vectorised over the batch), cuts windows
+(`chunks.cut_windows`) and builds the Arrow table directly from numpy buffers. Documents whose
 token bytes do not spell their text (a normalizer changed it) take their ends from character
 offsets (`TokenizerBundle.encode_spans`) and are verified chunk by chunk.
 """
@@ -22,7 +22,7 @@ def _count(counter: dict, key: str, amount: int = 1) -> None:
     counter[key] = counter.get(key, 0) + amount
 
 
-class BatchAligner:
+class TextAligner:
     """Tokenizes, aligns and windows a batch of documents into an Arrow table of aligned rows."""
 
     def __init__(self, student, teachers, max_student: int, max_teachers: list[int], context_token: bool):

@@ -18,6 +18,7 @@ from pathlib import Path
 from csd_pipeline.errors import CsdError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+TRAINING_DTYPES = ("auto", "float32", "bfloat16")  # csd-train's parameter dtypes (float16 would need loss scaling)
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 CONFIG_FILES = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")

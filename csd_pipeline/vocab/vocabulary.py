@@ -1,56 +1,32 @@
-"""Byte-exact vocabularies (SPEC §2).
+"""Byte-exact vocabularies (SPEC §2) and the tokenizers they come from.
 
-Every token id gets the exact bytes it adds to the decoded text. Two families are supported:
-
-- ByteLevel BPE (GPT-2, Llama 3, Qwen 2/2.5/3, SmolLM2, ...): each character of a token
-  string maps back to one byte through the GPT-2 byte-to-unicode table.
-- SentencePiece-style BPE with byte fallback (Llama 2, Mistral v1-v3, Phi-3, Gemma): `▁` is a
-  space and `<0xNN>` is one byte; a leading space added by the tokenizer (the dummy prefix) is
-  not source text.
-
-Anything else is refused with one sentence naming the family. Special tokens (added tokens
+Every token id gets the exact bytes it adds to the decoded text (`Vocabulary`); the two supported
+tokenizer families and how their token strings map to bytes are in `vocab.families`.
+`load_tokenizer` loads a fast tokenizer with its vocabulary (`TokenizerBundle`), and
+`TokenizerBundle.encode_spans` gives each token the source byte it ends at. Special tokens (added tokens
 flagged `special`) have no bytes and are matched by role, never by spelling. An added token
 whose text does not round-trip byte-exactly is marked `untrusted` and never used as a spelling.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from csd_pipeline.errors import CsdError, UnsupportedTokenizerError
-
-SPM_SPACE = "\u2581"
-_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-# Spellings of end-of-turn markers in common chat formats; matched against special tokens only.
-EOT_SPELLINGS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eot|>", "<|END_OF_TURN_TOKEN|>")
-# Document separators used in pre-training, in order of preference.
-SEPARATOR_SPELLINGS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|end▁of▁sentence|>")
-BOS_SPELLINGS = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "<｜begin▁of▁sentence｜>")
-
-FLAG_SPECIAL = 1
-FLAG_UNTRUSTED = 2
-
-
-def gpt2_byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's byte-to-unicode table: printable character -> byte value."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    codes = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, codes)}
+from csd_pipeline.errors import CsdError
+from csd_pipeline.vocab.families import (
+    FLAG_SPECIAL,
+    FLAG_UNTRUSTED,
+    adds_bos,
+    special_roles,
+    token_bytes_of,
+    tokenizer_family,
+    tokenizer_fingerprint,
+)
 
 
 @dataclass
@@ -196,10 +172,10 @@ class TokenizerBundle:
         if exact:
             ends = np.maximum(ends - skip, 0)
             return EncodedText(ids, ends, exact=True)
-        return EncodedText(ids, _ends_from_offsets(text, enc.offsets), exact=False)
+        return EncodedText(ids, byte_ends_from_offsets(text, enc.offsets), exact=False)
 
 
-def _ends_from_offsets(text: str, offsets) -> np.ndarray:
+def byte_ends_from_offsets(text: str, offsets) -> np.ndarray:
     """Byte ends from character offsets (used only where a normalizer changed the text)."""
     char_bytes = np.fromiter((len(c.encode("utf-8", errors="surrogatepass")) for c in text), dtype=np.int64)
     cum = np.zeros(len(text) + 1, dtype=np.int64)
@@ -309,123 +285,15 @@ def _from_hub(name: str, trust_remote_code: bool) -> tuple[Path, dict]:
     return tokenizer_file, config
 
 
-# --------------------------------------------------------------------------- families
-
-
-def _components(node) -> list[dict]:
-    """Flatten a normalizer / pre-tokenizer / decoder description into its parts."""
-    if not node:
-        return []
-    parts = []
-    for key in ("normalizers", "pretokenizers", "decoders", "processors"):
-        if key in node:
-            for child in node[key]:
-                parts.extend(_components(child))
-            return parts
-    return [node]
-
-
-def _family(spec: dict, name: str) -> tuple[str, bool]:
-    """(family, dummy_prefix) of a tokenizer.json, or raise UnsupportedTokenizerError."""
-    model = spec.get("model", {})
-    model_type = model.get("type")
-    normalizers = _components(spec.get("normalizer"))
-    pre = _components(spec.get("pre_tokenizer"))
-    decoders = _components(spec.get("decoder"))
-    norm_types = [n.get("type") for n in normalizers]
-    pre_types = [p.get("type") for p in pre]
-    dec_types = [d.get("type") for d in decoders]
-    supported = (
-        "supported: ByteLevel BPE (GPT-2, Llama 3, Qwen2, SmolLM2) and SentencePiece BPE with byte "
-        "fallback (Llama 2, Mistral, Gemma)"
-    )
-    described = f"model {model_type}, normalizer {norm_types or None}, pre-tokenizer {pre_types or None}, decoder {dec_types or None}"
-    if model_type == "BPE" and "ByteLevel" in pre_types + dec_types:
-        if any(t not in ("NFC",) for t in norm_types):
-            raise UnsupportedTokenizerError(
-                f"tokenizer {name}: its normalizer {norm_types} changes the text, so token bytes are not source bytes "
-                f"({described}); {supported}"
-            )
-        return "byte_level", False
-    if model_type == "BPE" and model.get("byte_fallback") and "ByteFallback" in dec_types:
-        dummy = False
-        for n in normalizers:
-            t = n.get("type")
-            if t == "Prepend" and n.get("prepend") == SPM_SPACE:
-                dummy = True
-            elif t == "Replace" and _replace_pair(n) == (" ", SPM_SPACE):
-                continue
-            else:
-                raise UnsupportedTokenizerError(
-                    f"tokenizer {name}: its normalizer step {t} changes the text ({described}); {supported}"
-                )
-        for p in pre:
-            if p.get("type") == "Metaspace":
-                scheme = p.get("prepend_scheme", "always" if p.get("add_prefix_space", True) else "never")
-                dummy = dummy or scheme in ("always", "first")
-            else:
-                raise UnsupportedTokenizerError(
-                    f"tokenizer {name}: pre-tokenizer {p.get('type')} is not supported with SentencePiece BPE "
-                    f"({described}); {supported}"
-                )
-        return "sentencepiece", dummy
-    raise UnsupportedTokenizerError(f"tokenizer {name}: unsupported family ({described}); {supported}")
-
-
-def _replace_pair(node: dict) -> tuple[str, str]:
-    pattern = node.get("pattern", {})
-    return pattern.get("String", pattern.get("Regex", "")), node.get("content", "")
-
-
-def _token_name(value) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def build_vocabulary(spec: dict, config: dict, *, name: str, raw_json: str) -> Vocabulary:
-    """Exact bytes, flags and roles of every id of a parsed tokenizer.json (`spec`)."""
-    family, dummy = _family(spec, name)
-    model_vocab = spec["model"].get("vocab")
-    if not isinstance(model_vocab, dict):
-        raise UnsupportedTokenizerError(f"tokenizer {name}: its model has no vocabulary map; supported: BPE tokenizers")
-    added = {int(t["id"]): t for t in spec.get("added_tokens") or []}
-    size = max(max(model_vocab.values(), default=-1), max(added, default=-1)) + 1
-    pieces: list[str | None] = [None] * size
-    for piece, i in model_vocab.items():
-        pieces[i] = piece
-    token_bytes: list[bytes] = [b""] * size
-    flags = np.zeros(size, dtype=np.uint8)
-    if family == "byte_level":
-        decoder = gpt2_byte_decoder()
-        table = {ord(ch): chr(b) for ch, b in decoder.items()}
-        outside = re.compile("[^" + re.escape("".join(decoder)) + "]")
-        for i, piece in enumerate(pieces):
-            if piece is None:
-                flags[i] |= FLAG_UNTRUSTED
-            elif outside.search(piece):
-                flags[i] |= FLAG_UNTRUSTED  # a character outside the byte table: not byte-exact
-            else:
-                token_bytes[i] = piece.translate(table).encode("latin-1")
-    else:
-        for i, piece in enumerate(pieces):
-            if piece is None:
-                flags[i] |= FLAG_UNTRUSTED
-                continue
-            m = _BYTE_PIECE.match(piece) if piece.startswith("<0x") else None
-            token_bytes[i] = bytes([int(m.group(1), 16)]) if m else piece.replace(SPM_SPACE, " ").encode("utf-8")
-    needs_round_trip = False
-    for i, token in added.items():
-        if token.get("special"):
-            token_bytes[i] = b""
-            flags[i] = FLAG_SPECIAL
-        else:
-            # Checked against the real tokenizer in _check_added_round_trips.
-            token_bytes[i] = token["content"].encode("utf-8")
-            flags[i] = 0
-            needs_round_trip = True
-    roles = _roles(model_vocab, added, config, flags, token_bytes)
-    vocab = Vocabulary(
+    """Exact bytes, flags and roles of every id of a parsed tokenizer.json (`spec`).
+
+    Raises `UnsupportedTokenizerError` for a tokenizer outside the supported families.
+    """
+    family, dummy = tokenizer_family(spec, name)
+    token_bytes, flags, needs_round_trip = token_bytes_of(spec, family, name)
+    roles = special_roles(spec, config, flags, token_bytes)
+    return Vocabulary(
         name=name,
         family=family,
         token_bytes=token_bytes,
@@ -433,10 +301,9 @@ def build_vocabulary(spec: dict, config: dict, *, name: str, raw_json: str) -> V
         roles=roles,
         dummy_prefix=dummy,
         fingerprint=tokenizer_fingerprint(raw_json, roles),
-        adds_bos=_adds_bos(spec, config),
+        adds_bos=adds_bos(spec, config),
+        needs_round_trip=needs_round_trip,
     )
-    vocab.needs_round_trip = needs_round_trip
-    return vocab
 
 
 def _check_added_round_trips(bundle: TokenizerBundle) -> None:
@@ -454,47 +321,3 @@ def _check_added_round_trips(bundle: TokenizerBundle) -> None:
         if not ok:
             vocab.flags[i] |= FLAG_UNTRUSTED
     vocab._spellings = None
-
-
-def _roles(model_vocab: dict, added: dict, config: dict, flags: np.ndarray, token_bytes: list) -> dict[str, int]:
-    by_text = {t["content"]: i for i, t in added.items()}
-    special_by_text = {t["content"]: i for i, t in added.items() if t.get("special")}
-    roles: dict[str, int] = {}
-    for role in ("bos", "eos", "pad", "unk"):
-        token = _token_name(config.get(f"{role}_token"))
-        if token is None:
-            continue
-        i = by_text.get(token, model_vocab.get(token))
-        if i is not None:
-            roles[role] = i
-    for role, spellings in (("eot", EOT_SPELLINGS), ("separator", SEPARATOR_SPELLINGS), ("bos", BOS_SPELLINGS)):
-        if role in roles:
-            continue
-        for text in spellings:
-            if text in special_by_text:
-                roles[role] = special_by_text[text]
-                break
-    for i in roles.values():
-        # A token with a role is never text (e.g. SentencePiece <unk>, <s>, </s> in the model vocab).
-        flags[i] = FLAG_SPECIAL
-        token_bytes[i] = b""
-    return roles
-
-
-def _adds_bos(spec: dict, config: dict) -> bool:
-    if "add_bos_token" in config:
-        return bool(config["add_bos_token"])
-    post = spec.get("post_processor") or {}
-    for part in _components(post):
-        single = part.get("single") or []
-        if single and "SpecialToken" in single[0]:
-            return True
-    return False
-
-
-def tokenizer_fingerprint(raw_json: str, roles: dict[str, int]) -> str:
-    """sha256 of the serialized tokenizer and its special-token map."""
-    h = hashlib.sha256()
-    h.update(raw_json.encode("utf-8"))
-    h.update(json.dumps(roles, sort_keys=True).encode("utf-8"))
-    return h.hexdigest()

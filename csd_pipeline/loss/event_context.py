@@ -1,0 +1,89 @@
+"""The look-ups of one (student, teacher) pair that CSD events are built from, made once per worker.
+
+Spelling classes (token ids with equal bytes), the common spellings and the prefix-support entries
+of the subtoken tables (`vocab.tables`), as plain dictionaries and tuples so that the work per chunk
+(`loss.chunk_events`) is dictionary look-ups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from csd_pipeline.errors import CsdError
+
+
+class EventContext:
+    """Look-up structures for one (student, teacher) pair, built once per data-loader worker.
+
+    s2t: student->teacher SubtokenTable; t2s: teacher->student table. student_vocab /
+    teacher_vocab: the vocabularies of the data's tokenizers (default: the tables' own copies).
+    Spelling classes, common spellings and prefix-support entries come from the tables.
+    Raises CsdError when the two tables or the vocabularies have different fingerprints
+    (tables of another tokenizer).
+    """
+
+    def __init__(self, s2t, t2s, student_vocab=None, teacher_vocab=None, *, tables_name: str = "tables"):
+        student_vocab = s2t.source if student_vocab is None else student_vocab
+        teacher_vocab = s2t.destination if teacher_vocab is None else teacher_vocab
+        checks = (
+            ("student->teacher", "student (source)", s2t.source_fingerprint, student_vocab),
+            ("student->teacher", "teacher (destination)", s2t.destination_fingerprint, teacher_vocab),
+            ("teacher->student", "teacher (source)", t2s.source_fingerprint, teacher_vocab),
+            ("teacher->student", "student (destination)", t2s.destination_fingerprint, student_vocab),
+        )
+        for direction, side, fingerprint, vocab in checks:
+            if fingerprint != vocab.fingerprint:
+                raise CsdError(
+                    f"the {direction} table in {tables_name} was built for another {side} tokenizer than "
+                    f"{vocab.name} (fingerprint {str(fingerprint)[:12]} != {vocab.fingerprint[:12]}); "
+                    "re-run `csd-pipeline tables build` and the align stage with these tokenizers."
+                )
+        self.s2t, self.t2s = s2t, t2s
+        self.student_vocab, self.teacher_vocab = student_vocab, teacher_vocab
+        self.student_bytes = s2t.source.token_bytes
+        self.teacher_bytes = s2t.destination.token_bytes
+        # Spelling -> ids (tuples of ints: per-chunk work is plain dictionary look-ups).
+        self.student_classes: dict[bytes, tuple[int, ...]] = {
+            k: tuple(int(i) for i in v) for k, v in s2t.source.spellings().items()
+        }
+        self.teacher_classes: dict[bytes, tuple[int, ...]] = {
+            k: tuple(int(i) for i in v) for k, v in s2t.destination.spellings().items()
+        }
+        # Per teacher id: its spelling (None for specials / untrusted tokens: never a spelling).
+        self.teacher_spelling: list[bytes | None] = [None] * len(self.teacher_bytes)
+        for spelling, ids in self.teacher_classes.items():
+            for i in ids:
+                self.teacher_spelling[i] = spelling
+        self._common_dense = None
+        self._prefix_cache: dict[tuple[str, bytes], list] = {}
+        self._student_special = s2t.source.is_special & ~s2t.source.untrusted
+        self._teacher_special = s2t.destination.is_special & ~s2t.destination.untrusted
+
+    def is_special_pair(self, u: int, v: int) -> bool:
+        """Whether (student u, teacher v) are both special tokens (no bytes): chat mode's end-of-turn pair."""
+        return bool(self._student_special[u] and self._teacher_special[v])
+
+    def common_dense(self):
+        """Common spellings of the student->teacher table as flat arrays (dense teachers only)."""
+        if self._common_dense is None:
+            spellings, s_ids, s_cls, t_ids, t_cls = [], [], [], [], []
+            for k, spelling in enumerate(self.s2t.common_spellings()):
+                a, b = self.student_classes[spelling], self.teacher_classes[spelling]
+                spellings.append(spelling)
+                s_ids.append(np.asarray(a, dtype=np.int64))
+                s_cls.append(np.full(len(a), k, dtype=np.int64))
+                t_ids.append(np.asarray(b, dtype=np.int64))
+                t_cls.append(np.full(len(b), k, dtype=np.int64))
+            cat = np.concatenate
+            self._common_dense = (spellings, cat(s_ids), cat(s_cls), cat(t_ids), cat(t_cls))
+        return self._common_dense
+
+    def prefix_support(self, direction: str, prefix: bytes) -> list:
+        """The `direction` ("s2t" or "t2s") table's prefix-support entries (a, b) with a == prefix + b (cached)."""
+        key = (direction, prefix)
+        if key not in self._prefix_cache:
+            table = self.s2t if direction == "s2t" else self.t2s
+            if len(self._prefix_cache) > 4096:
+                self._prefix_cache.clear()
+            self._prefix_cache[key] = list(table.prefix_support(prefix))
+        return self._prefix_cache[key]

@@ -1,0 +1,181 @@
+"""Where `csd-train`'s option values come from: defaults, a YAML file, `key=value` and flags; `--help`.
+
+Sources apply in order: the defaults (on the `trainer.config` dataclass fields), the `--config`
+YAML file, then the command line from left to right (a later value wins; a repeated list flag such
+as `--teacher-logits` appends). Every option has one flat name: `seq_len` in YAML and `key=value`
+(where `seq-len` is accepted too), `--seq-len` as a flag. Errors name the option to change.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+
+from csd_pipeline.errors import CsdError
+from trainer.config import OPTIONS, TrainConfig, flag
+
+
+def _optional_base(hint) -> tuple[object, bool]:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    return (next(a for a in args if a is not type(None)) if optional else hint), optional
+
+
+def _coerce_to(base, value):
+    """`value` as `base` (list[str], bool, int, float or str); raises TypeError/ValueError."""
+    if typing.get_origin(base) is list:
+        if isinstance(value, str):
+            return [v for v in value.split(",") if v]
+        if isinstance(value, (list, tuple)):
+            return [str(v) for v in value]
+        raise TypeError
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError
+    if base is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError
+        return int(value)
+    if base is float:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    if isinstance(value, (dict, list)):
+        raise ValueError
+    return str(value)
+
+
+def coerce(name: str, value, origin: str):
+    """Turn a YAML or command-line value into the option's type; raise `CsdError` naming the option."""
+    base, optional = _optional_base(OPTIONS[name].hint)
+    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
+        return None
+    try:
+        return _coerce_to(base, value)
+    except (TypeError, ValueError):
+        kind = getattr(base, "__name__", str(base))
+        raise CsdError(f"option {name} ({origin}) expects {kind}, got {value!r}; fix the value") from None
+
+
+def known(name: str, origin: str) -> str:
+    """The option called `name` (dashes or underscores); raise `CsdError` with close names when unknown."""
+    key = name.replace("-", "_")
+    if key not in OPTIONS:
+        close = [k for k in OPTIONS if k.startswith(key[:4])]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise CsdError(f"unknown option {name!r} in {origin}{hint}; run `csd-train --help` for the list")
+    return key
+
+
+def load_yaml(path: str) -> dict:
+    """Read a YAML mapping of options; raise `CsdError` for a missing or malformed file."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise CsdError(f"config file {path} does not exist; pass an existing YAML file to --config")
+    with open(path, encoding="utf-8") as handle:
+        try:
+            data = yaml.safe_load(handle)
+        except yaml.YAMLError as err:
+            first = str(err).splitlines()[0] if str(err) else "parse error"
+            raise CsdError(f"config file {path} is not valid YAML ({first}); fix the file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CsdError(f"config file {path} must hold a mapping of option: value, not {type(data).__name__}")
+    return data
+
+
+def _split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(YAML paths of `--config`, the rest of `argv`): the files apply first, wherever they appear."""
+    paths, rest = [], []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--config" or token.startswith("--config="):
+            if "=" in token:
+                paths.append(token.split("=", 1)[1])
+            elif i + 1 < len(argv):
+                paths.append(argv[i + 1])
+                i += 1
+            else:
+                raise CsdError("--config needs a YAML file path")
+        else:
+            rest.append(token)
+        i += 1
+    return paths, rest
+
+
+def _apply_command_line(tokens: list[str], values: dict) -> None:
+    """Apply `--flag VALUE`, `--flag=VALUE`, `--bool-flag`, `--no-bool-flag` and `key=value` in order."""
+    explicit_lists: set[str] = set()
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token.startswith("--"):
+            raw, has_value, inline = token[2:].partition("=")
+            negated = raw.startswith("no-") and raw[3:].replace("-", "_") in OPTIONS
+            name = known(raw[3:] if negated else raw, "the command line")
+            hint = OPTIONS[name].hint
+            if hint is bool and not has_value:
+                values[name] = not negated
+            else:
+                if negated:
+                    raise CsdError(f"--{raw} takes no value; use --{flag(name)} VALUE")
+                if not has_value:
+                    if i + 1 >= len(tokens):
+                        raise CsdError(f"--{flag(name)} needs a value")
+                    inline = tokens[i + 1]
+                    i += 1
+                value = coerce(name, inline, f"--{flag(name)}")
+                if typing.get_origin(hint) is list:
+                    if name not in explicit_lists:  # a flag replaces the YAML list, repeats append
+                        values[name] = []
+                        explicit_lists.add(name)
+                    value = values[name] + value
+                values[name] = value
+        elif "=" in token:
+            key, _, value = token.partition("=")
+            name = known(key, f"override {token!r}")
+            values[name] = coerce(name, value, f"override {token!r}")
+        else:
+            raise CsdError(f"unexpected argument {token!r}; options are --flag VALUE or key=value")
+        i += 1
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Resolve defaults, `--config FILE.yaml`, flags and `key=value` into a validated `TrainConfig`."""
+    values: dict = {}
+    paths, rest = _split_config_files(list(argv))
+    for path in paths:
+        for key, value in load_yaml(path).items():
+            name = known(str(key), f"config file {path}")
+            values[name] = coerce(name, value, f"config file {path}")
+    _apply_command_line(rest, values)
+    return TrainConfig.from_options(values).validate()
+
+
+def help_text() -> str:
+    """The `csd-train --help` text, generated from the config dataclasses (one section per component)."""
+    lines = [
+        "usage: csd-train [--config FILE.yaml] [key=value ...] [--option VALUE ...]",
+        "",
+        "Train a student with Common-Support Distillation from cached aligned + teacher top-k shards.",
+        "Single process: `csd-train ...`; N ranks: `torchrun --nproc-per-node N --no-python csd-train ...`.",
+        "",
+        "options (YAML key / key=value use underscores, flags use dashes):",
+    ]
+    section = object()
+    for option in OPTIONS.values():
+        if option.component != section:
+            section = option.component
+            lines.append(f" {section if section else 'run'}:")
+        lines.append(f"  --{flag(option.name):22s} {option.field.metadata.get('help', '')} "
+                     f"[default: {option.default}]")
+    return "\n".join(lines)
