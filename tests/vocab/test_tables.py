@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from csd_pipeline.vocab.tables import build_table, load_table, validate_tables
-from tests.test_vocab import bundle, reference_token_bytes
+from tests.vocab.test_vocabulary import bundle, reference_token_bytes
 
 PAIRS = [("llama-bpe", "qwen2"), ("gpt-2", "llama-spm"), ("smollm2", "llama-spm")]
 

@@ -23,7 +23,7 @@ from csd_pipeline.align.corpus import Document
 from csd_pipeline.errors import CsdError
 from schemas.aligned import ChunkStatus
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 FAQ = DATA / "python-faq-chat-slice.jsonl"
 AWKWARD = DATA / "chat-awkward.jsonl"
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"

@@ -357,7 +357,7 @@ def test_real_pairs_on_awkward_text(pair, tokenizer_path):
 def test_real_pairs_on_golden_and_corpus_text(tokenizer_path):
     from pathlib import Path
 
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).resolve().parents[1] / "data"
     texts = [
         (data / "devil-slice.txt").read_text(encoding="utf-8")[:2000],
         (data / "botchan-slice.txt").read_text(encoding="utf-8")[:2000],

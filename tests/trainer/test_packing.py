@@ -14,7 +14,7 @@ from csd_pipeline.vocab.vocabulary import load_tokenizer
 from trainer.model import StudentWithLoss
 from trainer.packing import check_window_length, pack, plan_rows
 
-DATA = __import__("pathlib").Path(__file__).parent / "data"
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from csd_pipeline.loss.events import (
 )
 from tests.csd_cases import ACCEPTED, aligned_row, bundle, event_context, load_texts, topk_from_dense
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 K = 8
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from csd_pipeline.teacher.codec import MAX_ABS_ERROR
 
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152  # SmolLM2's tokenizer
 PADDED = 64  # extra output rows of the tiny teacher, as in models whose embedding is padded
 K = 8

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from csd_pipeline.fixtures.names import FIXTURE_TOKENIZERS, tokenizer_path
 from csd_pipeline.vocab.vocabulary import load_tokenizer
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 AWKWARD = [
     "👨‍👩‍👧‍👦 family, 🏳️‍🌈 flag, 👍🏽 thumbs",

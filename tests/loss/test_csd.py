@@ -39,7 +39,7 @@ from tests.csd_cases import (
     topk_from_dense,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 TOL = 1e-10
 TOP_K = 16
 HIDDEN = 64

@@ -19,10 +19,10 @@ from csd_pipeline.align.corpus import Document
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.manifest import read_manifest, shard_paths
 from schemas.aligned import ChunkStatus, aligned_schema
-from tests.test_alignment import check_rows
+from tests.align.test_chunks import check_rows
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
 SLICE = DATA / "python-docs-slice.txt"
 
 
@@ -129,7 +129,7 @@ def test_cli_as_a_new_user_runs_it(tmp_path, small_corpus, tables_for):
 
 
 def test_rows_match_the_reference(one_worker_run):
-    from tests.test_alignment import aligner
+    from tests.align.test_chunks import aligner
 
     rows = rows_of(one_worker_run)
     aligner_ = aligner("llama-bpe", "qwen2", 2048)
