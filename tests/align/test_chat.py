@@ -120,7 +120,7 @@ def final(record: dict) -> dict:
 
 @pytest.mark.parametrize("student, student_template, eot_text", [
     ("qwen2", None, "<|im_end|>"),
-    ("llama-bpe", LLAMA32, "<|eot_id|>"),
+    pytest.param("llama-bpe", LLAMA32, "<|eot_id|>", marks=pytest.mark.slow),
 ])
 def test_faq_mask_is_final_answer_plus_end_of_turn(student, student_template, eot_text):
     from tokenizers import Tokenizer
@@ -528,6 +528,7 @@ def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
         assert min(per_row) <= record["supervised_tokens_per_row"] <= max(per_row)
 
 
+@pytest.mark.slow
 def test_two_teachers_each_with_its_own_template():
     recs = records(FAQ)[:4]
     chat = ChatAligner(bundle("qwen2"), [bundle("smollm2"), bundle("llama-bpe")], 4096, [4096, 4096], ChatOptions(),
@@ -545,6 +546,7 @@ def test_two_teachers_each_with_its_own_template():
             final(record)["content"].encode()
 
 
+@pytest.mark.slow
 def test_chat_shards_do_not_depend_on_workers(chat_dir, tmp_path, capsys):
     import hashlib
 

@@ -252,7 +252,7 @@ def test_ragged_arange_and_segment_sums(pairs):
 # ---------------------------------------------------------------------------------------------
 # Real tokenizer pairs, awkward text
 
-# More examples for a long local run: CSD_ALIGN_EXAMPLES=1000 pytest tests/test_alignment.py
+# More examples for a long local run: CSD_ALIGN_EXAMPLES=1000 pytest tests/align/test_chunks.py
 EXAMPLES = int(os.environ.get("CSD_ALIGN_EXAMPLES", "40"))
 PAIRS = [("llama-bpe", "qwen2"), ("llama-spm", "gpt-2"), ("smollm2", "llama-spm")]
 
@@ -340,7 +340,8 @@ def check_rows(aligner_, documents, table) -> None:
             assert status[1:] == want
 
 
-@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}~{p[1]}")
+@pytest.mark.parametrize("pair", [pytest.param(PAIRS[0], marks=pytest.mark.slow), *PAIRS[1:]],
+                         ids=lambda p: f"{p[0]}~{p[1]}")
 def test_real_pairs_on_awkward_text(pair, tokenizer_path):
     aligner_ = aligner(*pair)
 

@@ -94,6 +94,7 @@ def one_worker_run(tmp_path_factory, small_corpus, tables_for):
     return out
 
 
+@pytest.mark.slow
 def test_cli_as_a_new_user_runs_it(tmp_path, small_corpus, tables_for):
     out = tmp_path / "x"
     s2t, t2s = tables_for("llama-bpe", "qwen2")
@@ -141,6 +142,7 @@ def test_rows_match_the_reference(one_worker_run):
     assert len({r["row_id"] for r in rows}) == len(rows)
 
 
+@pytest.mark.slow
 def test_two_workers_write_the_same_bytes(tmp_path, small_corpus, tables_for, one_worker_run):
     out = tmp_path / "two"
     run_align(config(small_corpus, out, [tables_for("llama-bpe", "qwen2")]), workers=2)
@@ -148,6 +150,7 @@ def test_two_workers_write_the_same_bytes(tmp_path, small_corpus, tables_for, on
     assert tree(out) == tree(one_worker_run)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_bytes(tmp_path, small_corpus, tables_for, one_worker_run):
     out = tmp_path / "killed"
     s2t, t2s = tables_for("llama-bpe", "qwen2")
@@ -244,6 +247,7 @@ def test_overlong_chunks_are_rejected_regions_never_truncated(tmp_path, tables_f
     assert all(len(r["student_ids"]) <= 3 and len(r["teacher0_ids"]) <= 3 for r in rows_of(out))
 
 
+@pytest.mark.slow
 def test_bad_input_is_aligned_or_counted(tmp_path, tables_for):
     corpus = tmp_path / "bad"
     corpus.mkdir()

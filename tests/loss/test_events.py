@@ -102,6 +102,7 @@ def test_dense_events_follow_the_tables(spm):
     assert seen == {SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N}
 
 
+@pytest.mark.slow
 def test_topk_events_are_stored_candidates_plus_observed(spm):
     s, t, ctx, rows, dense = spm
     sb, tb = s.vocab.token_bytes, t.vocab.token_bytes
@@ -132,6 +133,7 @@ def test_topk_events_are_stored_candidates_plus_observed(spm):
                 assert tuple(sorted(ev_ids[e])) in dense_events
 
 
+@pytest.mark.slow
 def test_spelling_classes_sum_or_exclude(spm):
     """llama-spm spells single bytes twice (`.` and `<0x2E>`): summed into one event, or sent to REST."""
     s, t, ctx, rows, dense = spm
