@@ -50,8 +50,10 @@ tables: fixtures
 demo: fixtures
 	$(PY) demo/run.py
 
+# BENCH_CORPUS: a folder with the full corpus files (python-docs.txt, ...); default: the slices in tests/data.
+BENCH_CORPUS ?=
 bench: fixtures
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py $(if $(BENCH_CORPUS),--corpus $(BENCH_CORPUS))
 
 bench-quality: fixtures
 	$(PY) bench/bench_quality.py
