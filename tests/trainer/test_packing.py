@@ -49,7 +49,7 @@ def token_logprobs(model, input_ids, position_ids, positions, tokens):
     return flat[torch.as_tensor(positions), torch.as_tensor(tokens)]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_packed_loss_equals_sum_of_unpacked(windows, attn):
     model = tiny_llama(attn)
     seq_len, batch_size = 256, 3

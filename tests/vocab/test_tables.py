@@ -54,10 +54,8 @@ def table_triples(table) -> set[tuple[bytes, bytes, bytes]]:
     }
 
 
-# The fast tier keeps gpt-2 <-> llama-spm (its tables are reused below); the others are slow.
-@pytest.mark.parametrize("pair", [pytest.param(PAIRS[0], marks=pytest.mark.slow), PAIRS[1],
-                                  pytest.param(PAIRS[2], marks=pytest.mark.slow)],
-                         ids=lambda p: f"{p[0]}<->{p[1]}")
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}<->{p[1]}")
 def test_sets_equal_brute_force_both_directions(pair, tmp_path):
     for source, destination in (pair, pair[::-1]):
         table = built(source, destination)
