@@ -10,13 +10,15 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test tables demo bench bench-quality lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
-	@echo "make test        run the test suite"
+	@echo "make test        run the whole test suite"
+	@echo "make test-fast   run the fast tier (every module, without the tests marked slow)"
 	@echo "make tables      STUDENT=... TEACHER=... build both tables, then validate"
 	@echo "make bench       speed benchmarks (table + JSON in bench-results/)"
+	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 
 $(STAMP): pyproject.toml
@@ -35,6 +37,9 @@ fixtures: venv
 test: fixtures
 	$(PY) -m pytest -q tests
 
+test-fast: fixtures
+	$(PY) -m pytest -q -m "not slow" tests
+
 # STUDENT / TEACHER: a fixture name (llama-bpe, qwen2, gpt-2, llama-spm, smollm2) or a tokenizer path.
 tables: fixtures
 	@mkdir -p $(TABLES_DIR)
@@ -45,8 +50,10 @@ tables: fixtures
 demo: fixtures
 	$(PY) demo/run.py
 
+# BENCH_CORPUS: a folder with the full corpus files (python-docs.txt, ...); default: the slices in tests/data.
+BENCH_CORPUS ?=
 bench: fixtures
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py $(if $(BENCH_CORPUS),--corpus $(BENCH_CORPUS))
 
 bench-quality: fixtures
 	$(PY) bench/bench_quality.py

@@ -1,9 +1,11 @@
 """Speed of `csd-pipeline align` (text mode), Llama 3 student / Qwen2 teacher, as a ratio to the
-tokenizers floor (issue 3, §7).
+tokenizers floor.
 
-Corpus: /work/shared/corpus/python-docs.txt (11 MB) when present, else the committed slice
-tests/data/python-docs-slice.txt (256 KB; the numbers are then only indicative). Documents: one per
-blank-line-separated block (`--split-on-blank-lines`, about 73k documents for the full file).
+Corpus: `--corpus DIR`, a folder holding python-docs.txt (the CPython 3.11 documentation sources,
+11 MB; tests/data/README.md says where it comes from), or by default the committed slice
+tests/data/python-docs-slice.txt (its first 256 KB; the numbers are then only indicative).
+Documents: one per blank-line-separated block (`--split-on-blank-lines`, about 73k documents for
+the full file).
 
 Floor: `tokenizers` `encode_batch` (offsets on) of the same documents, in the same 1 MiB batches,
 with both tokenizers, in this process (so the same RAYON_NUM_THREADS / TOKENIZERS_PARALLELISM).
@@ -30,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FULL_CORPUS = Path("/work/shared/corpus/python-docs.txt")
+CORPUS_FILE = "python-docs.txt"
+CORPUS_HELP = f"folder holding {CORPUS_FILE} (default: the committed slice)"
 SLICE = ROOT / "tests" / "data" / "python-docs-slice.txt"
 STUDENT, TEACHER = "llama-bpe", "qwen2"
 LIMIT_RATIO = 1.5
@@ -40,14 +43,17 @@ SHARD_MB = 1.0
 REPEATS = 2
 
 
-def _corpus(tmp: Path, quick: bool) -> tuple[Path, str]:
-    if FULL_CORPUS.is_file():
-        if not quick:
-            return FULL_CORPUS, "python-docs.txt (full)"
-        path = tmp / "python-docs-2mb.txt"
-        path.write_bytes(_cut_at_blank_line(FULL_CORPUS.read_bytes(), 2 << 20))
-        return path, "python-docs.txt (first 2 MiB, quick)"
-    return SLICE, "tests/data/python-docs-slice.txt (fallback: /work/shared/corpus is absent)"
+def _corpus(tmp: Path, quick: bool, corpus_dir: Path | None) -> tuple[Path, str]:
+    if corpus_dir is None:
+        return SLICE, "tests/data/python-docs-slice.txt (the committed slice; --corpus DIR for the full file)"
+    full = Path(corpus_dir) / CORPUS_FILE
+    if not full.is_file():
+        raise FileNotFoundError(f"{full} not found: --corpus must be a folder holding {CORPUS_FILE}")
+    if not quick:
+        return full, "python-docs.txt (full)"
+    path = tmp / "python-docs-2mb.txt"
+    path.write_bytes(_cut_at_blank_line(full.read_bytes(), 2 << 20))
+    return path, "python-docs.txt (first 2 MiB, quick)"
 
 
 def _cut_at_blank_line(data: bytes, size: int) -> bytes:
@@ -136,14 +142,14 @@ def _memory_mb(corpus: Path, out: Path, tables) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, corpus: Path | None = None) -> dict:
     from csd_pipeline.align.stage import load_bundle, run_align
     from csd_pipeline.fixtures.names import tokenizer_path
     from csd_pipeline.vocab.tables import build_table
 
     with tempfile.TemporaryDirectory(prefix="bench-align-") as tmp_name:
         tmp = Path(tmp_name)
-        corpus, corpus_note = _corpus(tmp, quick)
+        corpus, corpus_note = _corpus(tmp, quick, corpus)
         size_mb = corpus.stat().st_size / 1e6
         start = time.perf_counter()
         student = load_bundle(str(tokenizer_path(STUDENT)))
@@ -221,5 +227,15 @@ def run(quick: bool = False) -> dict:
     }
 
 
+def _options(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
+    parser.add_argument("--corpus", type=Path, default=None, help=CORPUS_HELP)
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(quick="--quick" in sys.argv[1:]), indent=2))
+    args = _options(sys.argv[1:])
+    print(json.dumps(run(quick=args.quick, corpus=args.corpus), indent=2))

@@ -1,8 +1,9 @@
-"""Chat mode of `csd-pipeline align` (issue 6): speed against the tokenizers floor, and exactness.
+"""Chat mode of `csd-pipeline align`: speed against the tokenizers floor, and exactness.
 
-Corpus: /work/shared/corpus/python-faq-chat.jsonl (174 CPython FAQ question/answer pairs) when
-present, else the committed slice tests/data/python-faq-chat-slice.jsonl (30 records). Student
-Qwen2 (its own ChatML template), teacher SmolLM2 (its own template), as in the issue's example.
+Corpus: `--corpus DIR`, a folder holding python-faq-chat.jsonl (174 CPython FAQ question/answer
+pairs; tests/data/README.md says where it comes from), or by default the committed slice
+tests/data/python-faq-chat-slice.jsonl (its first 30 records). Student Qwen2 (its own ChatML
+template), teacher SmolLM2 (its own template).
 
 Floor: `tokenizers` `encode_batch_fast` of the two renderings of every record (what chat mode must
 tokenize anyway), in this process. Measured: `ChatAligner.align_documents` over the same records
@@ -24,19 +25,23 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FULL_CORPUS = Path("/work/shared/corpus/python-faq-chat.jsonl")
+CORPUS_FILE = "python-faq-chat.jsonl"
+CORPUS_HELP = f"folder holding {CORPUS_FILE} (default: the committed slice)"
 SLICE = ROOT / "tests" / "data" / "python-faq-chat-slice.jsonl"
 STUDENT, TEACHER = "qwen2", "smollm2"
 LIMIT_RATIO = 6.0
 REPEATS = 3
 
 
-def _records(quick: bool) -> tuple[list[dict], str]:
-    if FULL_CORPUS.is_file():
-        records = [json.loads(line) for line in FULL_CORPUS.read_text(encoding="utf-8").splitlines()]
-        return (records[:60], "python-faq-chat.jsonl (first 60, quick)") if quick else (records, "python-faq-chat.jsonl")
-    records = [json.loads(line) for line in SLICE.read_text(encoding="utf-8").splitlines()]
-    return records, "tests/data/python-faq-chat-slice.jsonl (fallback: /work/shared/corpus is absent)"
+def _records(quick: bool, corpus_dir: Path | None) -> tuple[list[dict], str]:
+    if corpus_dir is None:
+        records = [json.loads(line) for line in SLICE.read_text(encoding="utf-8").splitlines()]
+        return records, "tests/data/python-faq-chat-slice.jsonl (the committed slice; --corpus DIR for the full file)"
+    full = Path(corpus_dir) / CORPUS_FILE
+    if not full.is_file():
+        raise FileNotFoundError(f"{full} not found: --corpus must be a folder holding {CORPUS_FILE}")
+    records = [json.loads(line) for line in full.read_text(encoding="utf-8").splitlines()]
+    return (records[:60], "python-faq-chat.jsonl (first 60, quick)") if quick else (records, "python-faq-chat.jsonl")
 
 
 def _mask_exact(rows: list[dict], records: list[dict], vocab, eot: int) -> float:
@@ -48,14 +53,14 @@ def _mask_exact(rows: list[dict], records: list[dict], vocab, eot: int) -> float
     return exact / len(rows) if rows else 0.0
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, corpus: Path | None = None) -> dict:
     from csd_pipeline.align.stage import load_bundle
     from csd_pipeline.align.chat_records import ChatOptions
     from csd_pipeline.align.chat_mode import ChatAligner
     from csd_pipeline.align.corpus import Document
     from csd_pipeline.fixtures.names import tokenizer_path
 
-    records, note = _records(quick)
+    records, note = _records(quick, corpus)
     start = time.perf_counter()
     student = load_bundle(str(tokenizer_path(STUDENT)))
     teacher = load_bundle(str(tokenizer_path(TEACHER)))
@@ -107,5 +112,15 @@ def run(quick: bool = False) -> dict:
     }
 
 
+def _options(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
+    parser.add_argument("--corpus", type=Path, default=None, help=CORPUS_HELP)
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(quick="--quick" in sys.argv[1:]), indent=2, sort_keys=True))
+    args = _options(sys.argv[1:])
+    print(json.dumps(run(quick=args.quick, corpus=args.corpus), indent=2, sort_keys=True))

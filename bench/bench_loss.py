@@ -3,7 +3,7 @@
 - Peak memory: CE + CSD forward+backward from the last hidden states [P, H] and the LM head
   [V, H] (float32, CPU), chunked path vs the textbook dense version (log_softmax of the whole
   [P, V] logits), each in its own process (`loss_peak_worker.py`), as peak RSS above the inputs.
-  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's sizes; the dense process peaks near 9 GB).
+  Full run: V = 128,256 (Llama 3's vocabulary), P = 4,096, H = 2,048 (the dense process peaks near 9 GB).
   Check: chunked <= 30% of dense.
 - Speed: CE + CSD vs plain CE, both through the same chunked path, forward+backward, interleaved
   repeats, best of each. Check: ratio <= 1.5.

@@ -8,7 +8,7 @@ Llama 2 SentencePiece tokenizer. Two regimes:
 
 Every arm uses the same recipe: batches of 2 windows of <= 256 tokens, learning rate 3e-3, 80 warm-up
 steps, cosine decay. Smaller batches (more steps for the same tokens) made CE better with plentiful
-data and CSD better in both regimes; CE with limited data over-fits whatever the batch (README).
+data and CSD better in both regimes; CE with limited data over-fits whatever the batch (docs/RESULTS.md).
 
 The teacher's top-128 is stored once per regime; arms that use fewer entries keep the most likely
 ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Default arms

@@ -1,4 +1,4 @@
-"""Speed of `make tables` for Llama 3 <-> Qwen2, as a ratio to the tokenizers floor (issue: tables §5).
+"""Speed of `make tables` for Llama 3 <-> Qwen2, as a ratio to the tokenizers floor.
 
 Floor: the time `tokenizers` needs to `encode_batch` the decoded text of every token of one
 vocabulary with the other tokenizer, both directions. Measured: the three calls `make tables`

@@ -1,10 +1,11 @@
-"""Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher (issue 4, §3, §6).
+"""Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher.
 
-Corpus: six kinds of real text from /work/shared/corpus (Bible, Python docs, stdlib code, the
-Jargon File, a novel, Django translations), about 16 KB each (2 KB in quick mode), aligned by the
-real align stage (gpt-2 student, SmolLM2 teacher, 1024-token windows); one source per shard, so
-the bytes per position are also reported per kind of text. Without /work/shared the committed
-slices in tests/data are used (fewer positions; the numbers are then only indicative).
+Corpus: `--corpus DIR`, a folder holding six kinds of real text (kjv.txt, python-docs.txt,
+cpython-stdlib-code.jsonl, jargon.txt, botchan.txt, django-po-multilingual.jsonl: Bible, Python
+docs, stdlib code, the Jargon File, a novel, Django translations), about 16 KB of each (2 KB in
+quick mode); by default the four committed slices in tests/data (fewer positions; the numbers are
+then only indicative). Aligned by the real align stage (gpt-2 student, SmolLM2 teacher, 1024-token
+windows); one source per shard, so the bytes per position are also reported per kind of text.
 
 Measured in one process, shard by shard:
 - B, the stage on that shard: read the aligned shard, batch, forward, float32 log-softmax and
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CORPUS = Path("/work/shared/corpus")
+CORPUS_HELP = "folder holding kjv.txt, python-docs.txt, ... (default: the committed slices in tests/data)"
 TEACHER = "smollm2-135m-instruct"
 LIMIT_OVERHEAD = 0.10
 LIMIT_BYTES = 64.0
@@ -47,20 +48,21 @@ TOP_K = 32
 BATCH_TOKENS = 8192
 
 
-def _sources(quick: bool) -> dict[str, str]:
+def _sources(quick: bool, corpus: Path | None) -> dict[str, str]:
     """name -> real text (about 16 KB each, 2 KB in quick mode)."""
     size = 2_000 if quick else 16_000
-    if not CORPUS.is_dir():
+    if corpus is None:
         data = ROOT / "tests" / "data"
         names = ("botchan-slice.txt", "devil-slice.txt", "python-docs-generators-slice.txt", "kjv-genesis-slice.txt")
         return {name.split("-")[0]: (data / name).read_text(encoding="utf-8")[:size] for name in names}
+    corpus = Path(corpus)
 
     def text(name, offset):
-        raw = (CORPUS / name).read_text(encoding="utf-8")
+        raw = (corpus / name).read_text(encoding="utf-8")
         return raw[offset:offset + size]
 
     def jsonl(name, start, count):
-        lines = (CORPUS / name).read_text(encoding="utf-8").splitlines()[start:start + count]
+        lines = (corpus / name).read_text(encoding="utf-8").splitlines()[start:start + count]
         return "\n".join(json.loads(line)["text"] for line in lines)[:size]
 
     return {
@@ -70,16 +72,16 @@ def _sources(quick: bool) -> dict[str, str]:
         "jargon": text("jargon.txt", 600_000),
         "novel": text("botchan.txt", 50_000),
         "translations": "\n".join(json.loads(line)["text"] for line in
-                                  (CORPUS / "django-po-multilingual.jsonl").read_text(encoding="utf-8").splitlines()[::37])[:size],
+                                  (corpus / "django-po-multilingual.jsonl").read_text(encoding="utf-8").splitlines()[::37])[:size],
     }
 
 
-def _align(tmp: Path, quick: bool) -> tuple[Path, dict[str, str]]:
+def _align(tmp: Path, quick: bool, corpus_dir: Path | None) -> tuple[Path, dict[str, str]]:
     from csd_pipeline.align.stage import AlignConfig, run_align
 
     corpus = tmp / "corpus"
     corpus.mkdir()
-    sources = _sources(quick)
+    sources = _sources(quick, corpus_dir)
     files = []
     for index, (name, body) in enumerate(sources.items()):
         path = corpus / f"{index}-{name}.txt"
@@ -196,7 +198,7 @@ def _decode_error(runner, shard_file: Path, rows) -> dict:
     return {"top": worst_top, "observed": worst_observed, "values": values}
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, corpus: Path | None = None) -> dict:
     """Benchmark the stage on CPU; returns {"name", "metrics", "checks"}."""
     import torch
 
@@ -206,7 +208,7 @@ def run(quick: bool = False) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench-teacher-") as tmp_name:
         tmp = Path(tmp_name)
-        aligned, _ = _align(tmp, quick)
+        aligned, _ = _align(tmp, quick, corpus)
         manifest = json.loads((aligned / "manifest.json").read_text())
         started = time.perf_counter()
         loaded = load_causal_lm(str(model_path(TEACHER)), device="cpu")
@@ -278,7 +280,8 @@ def run(quick: bool = False) -> dict:
     return {"name": "teacher", "metrics": metrics, "checks": checks}
 
 
-def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, vocab_tokenizer: str = "llama-bpe") -> dict:
+def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, vocab_tokenizer: str = "llama-bpe",
+            corpus: Path | None = None) -> dict:
     """bf16 throughput on CUDA with a random-initialised Llama (about 1B parameters by default).
 
     Aligns real text for the `vocab_tokenizer` teacher (Llama 3, 128,256 ids), saves the random
@@ -299,7 +302,7 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
     with tempfile.TemporaryDirectory(prefix="bench-teacher-gpu-") as tmp_name:
         tmp = Path(tmp_name)
         corpus = tmp / "corpus.txt"
-        sources = _sources(quick=False)
+        sources = _sources(False, corpus)
         text = "\n\n".join(sources.values())
         corpus.write_text(text * max(1, positions // max(1, len(text) // 4)), encoding="utf-8")
         aligned = tmp / "aligned"
@@ -346,5 +349,12 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
 
 
 if __name__ == "__main__":
-    result = run_gpu() if "--gpu" in sys.argv else run(quick="--quick" in sys.argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
+    parser.add_argument("--gpu", action="store_true", help="bf16 throughput on CUDA (run_gpu)")
+    parser.add_argument("--corpus", type=Path, default=None, help=CORPUS_HELP)
+    args = parser.parse_args()
+    result = run_gpu(corpus=args.corpus) if args.gpu else run(quick=args.quick, corpus=args.corpus)
     print(json.dumps(result, indent=2, sort_keys=True))

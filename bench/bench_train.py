@@ -1,7 +1,7 @@
-"""Speed of `csd-train` (issue 7, §9): the CSD step against a CE-only step, and the data pipeline.
+"""Speed of `csd-train`: the CSD step against a CE-only step, and the data pipeline.
 
-Data: the first 24 KiB (quick: 8 KiB) of /work/shared/corpus/botchan.txt when present, else the
-committed slice tests/data/botchan-slice.txt; aligned (llama-spm student, smollm2 teacher, windows
+Data: the first 24 KiB (quick: 8 KiB) of botchan.txt in the folder given by `--corpus DIR`, or by
+default the committed slice tests/data/botchan-slice.txt (6,000 characters); aligned (llama-spm student, smollm2 teacher, windows
 of at most 256 student tokens) and scored by the real SmolLM2-135M-Instruct teacher (top-32). This
 set-up is not timed.
 
@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FULL_TEXT = Path("/work/shared/corpus/botchan.txt")
+CORPUS_FILE = "botchan.txt"
+CORPUS_HELP = f"folder holding {CORPUS_FILE} (default: the committed slice)"
 SLICE = ROOT / "tests" / "data" / "botchan-slice.txt"
 LIMIT_CSD_OVER_CE = 1.2
 LIMIT_DATA_OVER_STEP = 3.0
@@ -42,15 +43,18 @@ GPU_STUDENT = dict(CPU_STUDENT, hidden_size=768, intermediate_size=2048, num_hid
                    num_attention_heads=12, num_key_value_heads=12)  # ~110M parameters
 
 
-def _prepare(tmp: Path, quick: bool) -> tuple[Path, Path, str]:
+def _prepare(tmp: Path, quick: bool, corpus_dir: Path | None) -> tuple[Path, Path, str]:
     from csd_pipeline.align.stage import AlignConfig, run_align
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
 
     size = (8 if quick else 24) << 10
-    if FULL_TEXT.is_file():
-        text, source = FULL_TEXT.read_text(encoding="utf-8")[:size], f"botchan.txt (first {size >> 10} KiB)"
+    if corpus_dir is None:
+        text, source = SLICE.read_text(encoding="utf-8"), "tests/data/botchan-slice.txt (the committed slice)"
     else:
-        text, source = SLICE.read_text(encoding="utf-8"), "tests/data/botchan-slice.txt (fallback)"
+        full = Path(corpus_dir) / CORPUS_FILE
+        if not full.is_file():
+            raise FileNotFoundError(f"{full} not found: --corpus must be a folder holding {CORPUS_FILE}")
+        text, source = full.read_text(encoding="utf-8")[:size], f"botchan.txt (first {size >> 10} KiB)"
     corpus = tmp / "corpus.txt"
     corpus.write_text(text, encoding="utf-8")
     aligned, teacher = tmp / "aligned", tmp / "teacher"
@@ -121,7 +125,7 @@ def _time_loader(config, workers: int, n_batches: int) -> float:
     return elapsed / n_batches
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, corpus: Path | None = None) -> dict:
     """Run the benchmark; returns {"name", "metrics", "checks"}."""
     import torch
 
@@ -130,7 +134,7 @@ def run(quick: bool = False) -> dict:
     n_steps = 3 if quick else 8
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp_name:
         tmp = Path(tmp_name)
-        aligned, teacher, source = _prepare(tmp, quick)
+        aligned, teacher, source = _prepare(tmp, quick, corpus)
         student = tmp / "student.json"
         student.write_text(json.dumps(CPU_STUDENT))
         ctx = distributed.setup("cpu")
@@ -172,5 +176,15 @@ def run(quick: bool = False) -> dict:
     return {"name": "train", "metrics": metrics, "checks": checks}
 
 
+def _options(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
+    parser.add_argument("--corpus", type=Path, default=None, help=CORPUS_HELP)
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    print(json.dumps(run(quick="--quick" in sys.argv), indent=2))
+    args = _options(sys.argv[1:])
+    print(json.dumps(run(quick=args.quick, corpus=args.corpus), indent=2))

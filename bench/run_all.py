@@ -2,12 +2,17 @@
 
 Each `bench/bench_<topic>.py` exposes `run(quick=False) -> {"name", "metrics", "checks"}`; checks
 are ratios measured inside one run, so a noisy shared machine slows both sides alike.
-`python bench/run_all.py [--quick] [topic ...]` runs a subset.
+`python bench/run_all.py [--quick] [--corpus DIR] [topic ...]` runs a subset. The benchmarks that
+read text (align, chat, teacher, train) use the committed slices in tests/data unless `--corpus DIR`
+names a folder with the full files (python-docs.txt, python-faq-chat.jsonl, botchan.txt, ...; see
+each module's docstring).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import inspect
 import json
 import sys
 import time
@@ -19,8 +24,12 @@ TOPICS = ("tables", "align", "chat", "teacher", "loss", "train")
 
 
 def main(argv: list[str]) -> int:
-    quick = "--quick" in argv
-    topics = [a for a in argv if not a.startswith("--")] or list(TOPICS)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
+    parser.add_argument("--corpus", type=Path, default=None, help="folder with the full corpus files (default: tests/data slices)")
+    parser.add_argument("topics", nargs="*", help=f"a subset of {', '.join(TOPICS)}")
+    args = parser.parse_args(argv)
+    quick, topics = args.quick, args.topics or list(TOPICS)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     results, failed = [], False
@@ -33,7 +42,8 @@ def main(argv: list[str]) -> int:
             continue
         print(f"[bench] {topic} ...", file=sys.stderr, flush=True)
         try:
-            result = module.run(quick=quick)
+            options = {"corpus": args.corpus} if "corpus" in inspect.signature(module.run).parameters else {}
+            result = module.run(quick=quick, **options)
         except Exception as err:  # a broken benchmark is reported, the others still run
             traceback.print_exc()
             result = {"name": topic, "metrics": {}, "checks": {"ran": {"value": 0, "limit": 1, "ok": False}}, "error": str(err)}

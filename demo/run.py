@@ -28,7 +28,7 @@ TEACHER_TOKENIZER = "smollm2"
 STUDENT_TOKENIZER = "llama-spm"
 WINDOW = 256
 
-# The CSD arm's setting, chosen from `make bench-quality` (see README, "What CSD buys").
+# The CSD arm's setting, chosen from `make bench-quality` (see docs/RESULTS.md, "What CSD buys").
 CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"]
 TOP_K = 128
 # The benchmark's recipe: batches of 2 windows (more steps for the same tokens helped every arm but CE on

@@ -86,7 +86,7 @@ def row_shapes(row: dict, teacher_index: int = 0) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cached tokenizer pairs (shared by test_events.py and test_loss.py within one pytest session)
+# Cached tokenizer pairs (shared by tests/loss/test_events.py and tests/loss/test_csd.py within one pytest session)
 
 _BUNDLES: dict = {}
 _CONTEXTS: dict = {}

@@ -1,4 +1,4 @@
-"""Shared inputs of the trainer tests (tests/test_trainer_*.py): small aligned directories of real
+"""Shared inputs of the trainer tests (tests/trainer/): small aligned directories of real
 text (llama-spm student, smollm2 teacher) and a tiny student config. The `trainer_data` fixture in
 conftest.py calls `make_trainer_data` once per session."""
 

@@ -1,6 +1,6 @@
 """Two gloo ranks on CPU through torchrun: the loss falls, each rank checkpoints its own part.
 
-(Stop-and-resume equality is tested in one process in test_trainer_run.py; the checkpoint code
+(Stop-and-resume equality is tested in one process in tests/trainer/test_run.py; the checkpoint code
 path is the same for every world size.)"""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 180) -> subprocess.CompletedProcess:
@@ -33,6 +35,7 @@ def torchrun(nproc: int, args: list[str], timeout: int = 180) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_learn(trainer_data, tmp_path):
     output = tmp_path / "run"
     args = ["--aligned", str(trainer_data["train"]), "--student-config", str(trainer_data["student_config"]),

@@ -36,7 +36,7 @@ from tests.loss_reference import (
     reference_loss,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 TOL = 1e-10
 TOP_K = 16
 HIDDEN = 64
@@ -166,6 +166,12 @@ COMBOS = [
     ("llama-spm/gpt-2", "dense", "sum", "reverse_kl"),
 ]
 _RUNS: dict = {}
+# The fast tier (`pytest -m "not slow"`) keeps one top-k and one dense combination.
+FAST_COMBOS = (COMBOS[2], COMBOS[5])
+
+
+def combo_params(combos):
+    return [pytest.param(c, id="-".join(c), marks=() if c in FAST_COMBOS else pytest.mark.slow) for c in combos]
 
 
 def _run(case_of, combo):
@@ -179,7 +185,7 @@ def _run(case_of, combo):
     return _RUNS[combo]
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=["-".join(c) for c in COMBOS])
+@pytest.mark.parametrize("combo", combo_params(COMBOS))
 def test_loss_and_gradient_match_reference(case_of, combo):
     case, rows, teachers, (out, batch, g_h, g_w), (ref, ref_h, ref_w) = _run(case_of, combo)
     assert {s for r in rows for s in row_shapes(r)} == {"1:1", "1:N", "M:1", "M:N"}
@@ -247,7 +253,7 @@ def _wrong_kd(case: Case, rows, teachers, variant: str) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("combo", [COMBOS[0], COMBOS[5]], ids=["-".join(COMBOS[0]), "-".join(COMBOS[5])])
+@pytest.mark.parametrize("combo", combo_params([COMBOS[0], COMBOS[5]]))
 def test_reference_catches_wrong_versions(case_of, combo):
     """Dropping the chain factors, or renormalising over the kept events, is visibly wrong."""
     case, rows, teachers, (out, *_), (ref, *_) = _run(case_of, combo)
@@ -262,6 +268,7 @@ def test_reference_catches_wrong_versions(case_of, combo):
 # Multi-teacher, global counts, CE-only
 
 
+@pytest.mark.slow
 def test_multi_teacher_matches_reference(tokenizer_path):
     """Student llama-spm; teacher 0 gpt-2 (top-k), teacher 1 smollm2 (dense); weights and global counts."""
     s, t0, ctx0 = event_context(tokenizer_path, "llama-spm", "gpt-2")
@@ -361,7 +368,7 @@ def test_ce_only_and_no_chunks(case_of):
 
 
 def test_metrics(case_of):
-    case, rows, teachers, (out, batch, *_), _ = _run(case_of, ("llama-bpe/qwen2", "topk", "sum", "jsd"))
+    case, rows, teachers, (out, batch, *_), _ = _run(case_of, FAST_COMBOS[0])
     expected = {k: 0 for k in ("1:1", "1:N", "M:1", "M:N")}
     for r in rows:
         for shape in row_shapes(r):
@@ -405,7 +412,11 @@ def test_beta_and_only_1to1(case_of):
     assert float(one - d11) > 0
 
 
-@pytest.mark.parametrize(("divergence", "temperature"), [("kl", 1.5), ("jsd", 0.7), ("reverse_kl", 2.0)])
+@pytest.mark.parametrize(("divergence", "temperature"), [
+    ("kl", 1.5),
+    pytest.param("jsd", 0.7, marks=pytest.mark.slow),
+    pytest.param("reverse_kl", 2.0, marks=pytest.mark.slow),
+])
 def test_teacher_temperature_matches_reference(case_of, divergence, temperature):
     """The tempered teacher chunk distribution (events and REST, P^(1/T) renormalised) equals the
     float64 reference in loss and gradient, and T = 1 is the untempered loss."""

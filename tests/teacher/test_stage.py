@@ -19,8 +19,8 @@ import pytest
 
 from csd_pipeline.teacher.codec import MAX_ABS_ERROR
 
-DATA = Path(__file__).parent / "data"
-ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152  # SmolLM2's tokenizer
 PADDED = 64  # extra output rows of the tiny teacher, as in models whose embedding is padded
 K = 8
@@ -230,7 +230,7 @@ def make_tiny_gemma2(folder: Path, tokenizer_dir: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["model-forward-fallback", "gemma2-softcap-head"])
+@pytest.mark.parametrize("kind", ["model-forward-fallback", pytest.param("gemma2-softcap-head", marks=pytest.mark.slow)])
 def test_runner_logit_paths_match_float64(kind, aligned, tiny_teacher, tokenizer_path, tmp_path, monkeypatch):
     """Both ways to get logits (hidden states + float32 head, or the model's own forward) are exact."""
     from types import SimpleNamespace
@@ -372,6 +372,7 @@ def cli_args(aligned_dir, teacher, output):
             "--top-k", str(K), "--batch-tokens", "512", "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_bytes(aligned, tiny_teacher, tiny_output, tmp_path):
     out = tmp_path / "out"
     # SIGKILLed after the first shard is complete, with the second written but not yet renamed.
@@ -403,6 +404,7 @@ def test_ranks_split_shards_and_last_writes_manifest(aligned, tiny_teacher, tiny
     assert produced == expected
 
 
+@pytest.mark.slow
 def test_torchrun_cpu_processes_give_the_same_output(aligned, tiny_teacher, tiny_output, tmp_path):
     """`torchrun --nproc-per-node 2` on CPU: disjoint shards per rank, one manifest, the same bytes."""
     out = tmp_path / "out"

@@ -19,10 +19,10 @@ from csd_pipeline.align.corpus import Document
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.manifest import read_manifest, shard_paths
 from schemas.aligned import ChunkStatus, aligned_schema
-from tests.test_alignment import check_rows
+from tests.align.test_chunks import check_rows
 
-REPO = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).resolve().parents[1] / "data"
 SLICE = DATA / "python-docs-slice.txt"
 
 
@@ -96,6 +96,7 @@ def one_worker_run(tmp_path_factory, small_corpus, tables_for):
     return out
 
 
+@pytest.mark.slow
 def test_cli_as_a_new_user_runs_it(tmp_path, small_corpus, tables_for):
     out = tmp_path / "x"
     s2t, t2s = tables_for("llama-bpe", "qwen2")
@@ -131,7 +132,7 @@ def test_cli_as_a_new_user_runs_it(tmp_path, small_corpus, tables_for):
 
 
 def test_rows_match_the_reference(one_worker_run):
-    from tests.test_alignment import aligner
+    from tests.align.test_chunks import aligner
 
     rows = rows_of(one_worker_run)
     aligner_ = aligner("llama-bpe", "qwen2", 2048)
@@ -143,6 +144,7 @@ def test_rows_match_the_reference(one_worker_run):
     assert len({r["row_id"] for r in rows}) == len(rows)
 
 
+@pytest.mark.slow
 def test_two_workers_write_the_same_bytes(tmp_path, small_corpus, tables_for, one_worker_run):
     out = tmp_path / "two"
     run_align(config(small_corpus, out, [tables_for("llama-bpe", "qwen2")]), workers=2)
@@ -150,6 +152,7 @@ def test_two_workers_write_the_same_bytes(tmp_path, small_corpus, tables_for, on
     assert tree(out) == tree(one_worker_run)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_bytes(tmp_path, small_corpus, tables_for, one_worker_run):
     out = tmp_path / "killed"
     s2t, t2s = tables_for("llama-bpe", "qwen2")
@@ -246,6 +249,7 @@ def test_overlong_chunks_are_rejected_regions_never_truncated(tmp_path, tables_f
     assert all(len(r["student_ids"]) <= 3 and len(r["teacher0_ids"]) <= 3 for r in rows_of(out))
 
 
+@pytest.mark.slow
 def test_bad_input_is_aligned_or_counted(tmp_path, tables_for):
     corpus = tmp_path / "bad"
     corpus.mkdir()

@@ -13,7 +13,7 @@ from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N,
 from csd_pipeline.loss.row_events import build_row_events
 from tests.csd_cases import ACCEPTED, aligned_row, bundle, event_context, load_texts, topk_from_dense
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 K = 8
 
 
@@ -95,6 +95,7 @@ def test_dense_events_follow_the_tables(spm):
     assert seen == {SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N}
 
 
+@pytest.mark.slow
 def test_topk_events_are_stored_candidates_plus_observed(spm):
     s, t, ctx, rows, dense = spm
     sb, tb = s.vocab.token_bytes, t.vocab.token_bytes
@@ -125,6 +126,7 @@ def test_topk_events_are_stored_candidates_plus_observed(spm):
                 assert tuple(sorted(ev_ids[e])) in dense_events
 
 
+@pytest.mark.slow
 def test_spelling_classes_sum_or_exclude(spm):
     """llama-spm spells single bytes twice (`.` and `<0x2E>`): summed into one event, or sent to REST."""
     s, t, ctx, rows, dense = spm

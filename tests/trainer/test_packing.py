@@ -14,7 +14,7 @@ from csd_pipeline.vocab.vocabulary import load_tokenizer
 from trainer.model import StudentWithLoss
 from trainer.packing import check_window_length, pack, plan_rows
 
-DATA = __import__("pathlib").Path(__file__).parent / "data"
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def token_logprobs(model, input_ids, position_ids, positions, tokens):
     return flat[torch.as_tensor(positions), torch.as_tensor(tokens)]
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_packed_loss_equals_sum_of_unpacked(windows, attn):
     model = tiny_llama(attn)
     seq_len, batch_size = 256, 3

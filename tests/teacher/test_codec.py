@@ -21,7 +21,7 @@ from csd_pipeline.teacher.codec import (
     quantize,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def _tolerance(value) -> np.ndarray:

@@ -104,6 +104,7 @@ def test_teacher_temperature_reaches_the_loss(trainer_data, trainer_teacher, csd
     assert row["kd"] == pytest.approx(float(out.kd), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, trainer_teacher, tmp_path):
     forged = tmp_path / "topk"
     shutil.copytree(trainer_teacher, forged)
@@ -114,6 +115,7 @@ def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, train
         train(parse_args(args(trainer_data, forged, tmp_path / "run")))
 
 
+@pytest.mark.slow
 def test_kd_teacher_without_its_directory_is_refused(trainer_data, trainer_teacher, tmp_path):
     with pytest.raises(CsdError, match="--kd-teachers names teacher 1"):
         train(parse_args(args(trainer_data, trainer_teacher, tmp_path / "run", "--kd-teachers", "0:1,1:0.5")))

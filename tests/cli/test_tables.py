@@ -75,7 +75,7 @@ def test_slow_only_tokenizer_folder(tmp_path):
     assert_one_line_error(r, "slow (non-fast) tokenizer")
 
 
-@pytest.mark.parametrize("family", ["wordpiece", "unigram", "lowercase"])
+@pytest.mark.parametrize("family", ["wordpiece", "unigram", pytest.param("lowercase", marks=pytest.mark.slow)])
 def test_unsupported_family_is_refused(tmp_path, family):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

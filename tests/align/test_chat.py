@@ -25,7 +25,7 @@ from csd_pipeline.align.corpus import Document
 from csd_pipeline.errors import CsdError
 from schemas.aligned import ChunkStatus
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 FAQ = DATA / "python-faq-chat-slice.jsonl"
 AWKWARD = DATA / "chat-awkward.jsonl"
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"
@@ -122,7 +122,7 @@ def final(record: dict) -> dict:
 
 @pytest.mark.parametrize("student, student_template, eot_text", [
     ("qwen2", None, "<|im_end|>"),
-    ("llama-bpe", LLAMA32, "<|eot_id|>"),
+    pytest.param("llama-bpe", LLAMA32, "<|eot_id|>", marks=pytest.mark.slow),
 ])
 def test_faq_mask_is_final_answer_plus_end_of_turn(student, student_template, eot_text):
     from tokenizers import Tokenizer
@@ -531,6 +531,7 @@ def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
         assert min(per_row) <= record["supervised_tokens_per_row"] <= max(per_row)
 
 
+@pytest.mark.slow
 def test_two_teachers_each_with_its_own_template():
     recs = records(FAQ)[:4]
     chat = ChatAligner(bundle("qwen2"), [bundle("smollm2"), bundle("llama-bpe")], 4096, [4096, 4096], ChatOptions(),
@@ -548,6 +549,7 @@ def test_two_teachers_each_with_its_own_template():
             final(record)["content"].encode()
 
 
+@pytest.mark.slow
 def test_chat_shards_do_not_depend_on_workers(chat_dir, tmp_path, capsys):
     import hashlib
 

@@ -24,8 +24,7 @@ from csd_pipeline.runtime.executor import (
 )
 from csd_pipeline.runtime.manifest import read_manifest, shard_paths, verify_shards
 
-TESTS_DIR = Path(__file__).resolve().parent
-REPO = TESTS_DIR.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_square_processor(config: dict):
@@ -121,7 +120,7 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, point):
         "from csd_pipeline.runtime.executor import run_stage; "
         "run_stage(t.make_run(Path(sys.argv[1])), log=lambda m: None)"
     )
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS_DIR}", CSD_TEST_CRASH=f"{point}:3")
+    env = dict(os.environ, PYTHONPATH=str(REPO), CSD_TEST_CRASH=f"{point}:3")
     first = subprocess.run([sys.executable, "-c", script, str(killed)], env=env, capture_output=True)
     assert first.returncode == -9, first.stderr
     assert not (killed / "manifest.json").exists()
