@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from csd_pipeline.align.corpus import MAX_SHARDS_PER_REGION, ReadOptions, discover, plan_shards, read_segment
 from csd_pipeline.errors import CsdError
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 WHOLE = {"first": 0, "count": 1 << 60, "offset": 0, "skip": 0}
 
 
