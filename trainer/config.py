@@ -16,13 +16,12 @@ import typing
 from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
 
 LOSSES = ("csd", "ce", "csd_1to1")
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 SPELLINGS = ("sum", "exclude")
 KD_SCALES = ("dynamic", "fixed")
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16")
 
 # Options that change the trajectory of a run: a resumed run must use the values it was started with.
 TRAJECTORY_KEYS = (
@@ -101,7 +100,7 @@ class TrainConfig:
                                        "read in shuffled order, so a block that does not stay is decoded again")
     device: str = _opt("auto", "auto, cpu or cuda", choices=DEVICES)
     dtype: str = _opt("auto", "parameter dtype in forward/backward: auto (bf16 on GPU), float32, bfloat16",
-                      choices=DTYPES)
+                      choices=TRAINING_DTYPES)
     progress: bool = _opt(True, "progress bar on stderr (rank 0)")
 
     def validate(self) -> TrainConfig:
@@ -333,10 +332,9 @@ def write_resolved(config: TrainConfig, path: str) -> None:
     """Write the resolved options as YAML (atomically)."""
     import yaml
 
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
-    os.replace(tmp, path)
+    from csd_pipeline.runtime.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def check_resume_compatible(config: TrainConfig, saved: dict, where: str) -> None:
