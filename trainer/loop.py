@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from schemas.aligned import SHAPES
 from trainer import checkpoint, distributed
 from trainer.config import TrainConfig, check_resume_compatible, write_resolved
 from trainer.metrics import MetricsLogger
 
-SHAPE_KEYS = ("1to1", "1toN", "Mto1", "MtoN")
+SHAPE_KEYS = tuple(name.replace(":", "to") for name in SHAPES)  # metric names: chunks_1to1, ...
 # per-teacher diagnostics of csd_pipeline.loss.csd (means over the ranks and micro-steps that had chunks)
 LOSS_DIAGNOSTICS = ("events_per_chunk", "teacher_event_mass", "student_rest_mass", "divergence_per_chunk")
 RESOLVED_CONFIG = "config.yaml"

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from csd_pipeline.errors import CsdError
+from schemas.aligned import SHAPES
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from csd_pipeline.loss.events import BatchEvents
 
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
-SHAPE_NAMES = ("1:1", "1:N", "M:1", "M:N")
 DEFAULT_CHUNK_SIZE = None  # auto: about 2^25 logits (128 MiB in float32) per position chunk
 _AUTO_CHUNK_ELEMENTS = 1 << 25
 
@@ -360,7 +360,7 @@ def csd_divergence(
 
 def _empty_metrics(events) -> dict:
     counts = events.shape_counts()
-    return {f"chunks_{name}": counts[i] for i, name in enumerate(SHAPE_NAMES)} | {"chunks": events.num_chunks}
+    return {f"chunks_{name}": counts[i] for i, name in enumerate(SHAPES)} | {"chunks": events.num_chunks}
 
 
 # ----------------------------------------------------------------------------------------------
