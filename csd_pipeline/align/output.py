@@ -157,9 +157,9 @@ class AlignedOutput:
     def tables(self, index: int) -> tuple[Path, Path]:
         """(student->teacher, teacher->student) table paths of teacher `index`, checked to exist."""
         tables = self.manifest.get("tables")
-        entry = next((t for t in tables if isinstance(t, dict) and t.get("teacher") == index), None) \
-            if isinstance(tables, list) else None
-        if entry is None or "student_to_teacher" not in entry:
+        entries = [t for t in tables if isinstance(t, dict) and t.get("teacher") == index] if isinstance(tables, list) else []
+        entry = entries[0] if entries else {}
+        if "student_to_teacher" not in entry or "teacher_to_student" not in entry:
             raise CsdError(f"aligned manifest of {self.directory} lists no tables for teacher {index}; "
                            f"re-run `{ALIGN_RERUN}`")
         paths = (self.directory / entry["student_to_teacher"], self.directory / entry["teacher_to_student"])
@@ -225,16 +225,15 @@ class AlignedOutput:
 
         path = self.shard_path(shard)
         try:
-            names = pq.ParquetFile(str(path)).schema_arrow.names
-            missing = [name for name in columns if name not in names]
-            if missing:
-                raise CsdError(f"aligned shard {path} has no column {missing[0]}: {self.directory} aligns "
-                               f"{self.num_teachers} teacher(s); pass a teacher index it has, or re-run "
-                               f"`{ALIGN_RERUN}` with that teacher.")
-            return pq.read_table(str(path), columns=columns)
+            parquet = pq.ParquetFile(str(path))
+            missing = [name for name in columns if name not in parquet.schema_arrow.names]
+            if not missing:
+                return parquet.read(columns=columns)
         except (OSError, pa.ArrowInvalid) as err:
             raise CsdError(f"cannot read aligned shard {path} ({str(err).splitlines()[0]}); "
                            f"re-run `{ALIGN_RERUN}`") from None
+        raise CsdError(f"aligned shard {path} has no column {missing[0]}: {self.directory} aligns {self.num_teachers} "
+                       f"teacher(s); pass a teacher index it has, or re-run `{ALIGN_RERUN}` with that teacher.")
 
     def teacher_rows(self, shard: AlignedShard, index: int):
         """(row ids, teacher `index`'s ids of each row as int64 arrays) of one shard, in row order."""

@@ -154,8 +154,8 @@ class TeacherShardWriter:
 
         shard = self.aligned.shards[task.index]
         source = self.aligned.shard_path(shard)
-        if shard.file != task.spec["aligned_file"] or not source.is_file() \
-                or file_sha256(source) != task.spec["aligned_sha256"]:
+        unchanged = shard.file == task.spec["aligned_file"] and source.is_file()
+        if not unchanged or file_sha256(source) != task.spec["aligned_sha256"]:
             raise CsdError(f"aligned shard {source} is missing or differs from what its manifest records; re-run "
                            "csd-pipeline align, then teacher-logits into a new --output.")
         row_ids, rows = self.aligned.teacher_rows(shard, self.config.teacher_index)
@@ -169,8 +169,8 @@ class TeacherShardWriter:
 
 
 def deterministic_torch(device: str) -> None:
-    """Make torch raise on a nondeterministic CPU kernel (CPU kernels are deterministic for a given thread
-    count; this makes any exception loud)."""
+    """On CPU, have torch warn about any nondeterministic kernel (CPU kernels are deterministic for a
+    given thread count; this makes an exception loud)."""
     import torch
 
     if not device.startswith("cuda"):
