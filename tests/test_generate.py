@@ -35,7 +35,7 @@ def _config(inputs, output, **overrides) -> GenerateConfig:
 
 def _shards(output: Path) -> list[bytes]:
     manifest = read_manifest(output, stage="generate")
-    return [(output / shard["file"]).read_bytes() for shard in sorted(manifest["shards"], key=lambda s: s["index"])]
+    return [(output / shard["file"]).read_bytes() for shard in manifest["shards"]]
 
 
 def test_rerun_and_ranks_give_the_same_bytes(inputs, tmp_path):
@@ -67,6 +67,7 @@ def test_a_sample_does_not_depend_on_its_batch(inputs, tmp_path):
     assert strip == [[json.loads(line) for line in s.decode().splitlines()] for s in _shards(tmp_path / "three")]
 
 
+@pytest.mark.slow
 def test_kill_and_resume_end_with_the_same_bytes(inputs, tmp_path):
     run_generate(_config(inputs, tmp_path / "ref"))
     student, prompts = inputs
