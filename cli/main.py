@@ -1,4 +1,4 @@
-"""`csd-pipeline`: the offline stages (tables, align, teacher-logits) and their tools.
+"""`csd-pipeline`: the offline stages (tables, align, teacher-logits, generate) and their tools.
 
 Subcommands live in their own modules and are imported only when invoked, so that
 `csd-pipeline --help` never imports torch or transformers.
@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "tables": "cli.tables:tables",
     "align": "cli.align:align",
     "teacher-logits": "cli.teacher_logits:teacher_logits",
+    "generate": "cli.generate:generate",
+    "rounds": "cli.rounds:rounds",
     "status": "cli.outputs:status",
     "inspect": "cli.outputs:inspect",
     "bits-per-byte": "cli.evaluate:bits_per_byte",
@@ -26,6 +28,8 @@ HELP_LINES = {
     "tables": "Build, validate and inspect byte-exact sub-token tables.",
     "align": "Tokenize a corpus with both tokenizers and align it into shards.",
     "teacher-logits": "Run the teacher once and store its top-k log-probabilities.",
+    "generate": "Sample completions from the student for a prompt corpus (on-policy data).",
+    "rounds": "On-policy rounds: generate, align, teacher-logits, train, export; R times.",
     "status": "Say which shards of a stage output are complete and what is missing.",
     "inspect": "Summarise a stage output: rows, tokens, chunk shapes, rejections.",
     "bits-per-byte": "Held-out bits per byte of a model on an aligned folder (any tokenizer).",

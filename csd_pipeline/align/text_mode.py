@@ -66,6 +66,7 @@ class TextAligner:
 
     def align_documents(self, documents: list, stats: dict):
         """Align a batch of non-empty documents; return their windows as an Arrow table (schema v1)."""
+        from csd_pipeline.align import prompt_completion
         from csd_pipeline.align.chunks import align, cut_windows, token_spans
 
         texts = [d.text for d in documents]
@@ -73,22 +74,35 @@ class TextAligner:
         doc_bytes = np.zeros(len(texts) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=doc_bytes[1:])
         src = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        prompt_ends = prompt_completion.boundaries(documents, doc_bytes)  # None: no prompt/completion record
         spans = []
         for bundle in self.bundles:
-            ids, offsets = self.encode(bundle, texts)
+            split = []
+            if prompt_ends is None:
+                ids, offsets = self.encode(bundle, texts)
+            else:
+                ids, offsets, split = prompt_completion.encode(bundle, texts, documents)
             side = token_spans(bundle.vocab, ids, offsets, src, doc_bytes)
             inexact = np.flatnonzero(~side.exact).tolist()
             if inexact:
                 # A normalizer changed these texts: take their ends from character offsets.
                 for d, encoded_text in zip(inexact, bundle.encode_spans([texts[d] for d in inexact])):
-                    side.set_ends(d, encoded_text.ends, doc_bytes)
+                    side.set_ends(d, prompt_completion.offset_ends(bundle, texts[d], documents[d].prompt_bytes)
+                                  if d in split else encoded_text.ends, doc_bytes)
             spans.append(side)
         student = spans[0]
         tables = [align(src, doc_bytes, student, spans[s]) for s in self.side_of_teacher]
         context = [c is not None for c in self.context]
         windows = cut_windows(src, doc_bytes, tables, self.max_student, self.max_teachers, context)
+        loss_tokens = None
+        if prompt_ends is not None:
+            for table in tables:
+                prompt_completion.mark_prompt_chunks(table, prompt_ends)
+            windows = prompt_completion.drop_prompt_windows(windows, prompt_ends, stats)
+            loss_tokens = prompt_completion.completion_tokens(student, prompt_ends)
         self._count(stats, documents, doc_bytes, windows, tables)
-        return self._rows(documents, src, doc_bytes, student, [spans[s] for s in self.side_of_teacher], tables, windows, stats)
+        return self._rows(documents, src, doc_bytes, student, [spans[s] for s in self.side_of_teacher], tables, windows,
+                          stats, loss_tokens)
 
     def _count(self, stats, documents, doc_bytes, windows, tables) -> None:
         aligned_docs = np.unique(windows.doc)
@@ -107,13 +121,15 @@ class TextAligner:
             ranges = windows.teacher_ranges[i]
             stats["tokens"][f"teacher{i}"] += int((ranges[:, 1] - ranges[:, 0]).sum())
 
-    def _rows(self, documents, src, doc_bytes, student, teacher_spans, tables, windows, stats):
+    def _rows(self, documents, src, doc_bytes, student, teacher_spans, tables, windows, stats, loss_tokens=None):
         from csd_pipeline.align.chunks import ragged_arange
 
         lo, hi = windows.byte_range[:, 0], windows.byte_range[:, 1]
         docs = windows.doc.tolist()
         text = _string_array(src[ragged_arange(lo, hi - lo)], hi - lo)
         offsets, student_ids, content = _with_head(student.ids, windows.student_range, self.context[0])
+        if loss_tokens is not None:  # prompt/completion records: no loss on the prompt (prompt_completion.py)
+            content &= _with_head(loss_tokens, windows.student_range, 0 if self.context[0] is not None else None)[1] == 1
         columns = {
             "row_id": _strings([f"{documents[d].source}:{documents[d].record_index}:{w}"
                                 for d, w in zip(docs, windows.window_index.tolist())]),

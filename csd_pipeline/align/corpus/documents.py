@@ -61,12 +61,17 @@ class ReadOptions:
 
 @dataclass(frozen=True)
 class Document:
-    """A document's identity and text, or the reason it has none."""
+    """A document's identity and text, or the reason it has none.
+
+    `prompt_bytes`: for a prompt/completion record, the UTF-8 length of the prompt at the start of
+    `text` (context, no loss; the rest is the completion), else None.
+    """
 
     source: str
     record_index: int
     text: str | None
     reason: str | None = None
+    prompt_bytes: int | None = None
 
 
 def text_document(source: str, index: int, raw: bytes) -> Document:
@@ -96,9 +101,28 @@ def record_document(source: str, index: int, record, options: ReadOptions) -> Do
         return Document(source, index, None, "record_not_object")
     if options.whole_record:
         return checked_text(source, index, json.dumps(record, ensure_ascii=False, default=str))
+    if options.text_field not in record and PROMPT_FIELDS[1] in record:
+        return prompt_completion_document(source, index, record)
     if options.text_field not in record or record[options.text_field] is None:
         return Document(source, index, None, "missing_text_field")
     return checked_text(source, index, record[options.text_field])
+
+
+PROMPT_FIELDS = ("prompt", "completion")
+
+
+def prompt_completion_document(source: str, index: int, record: dict) -> Document:
+    """A document from a {"prompt", "completion"} record (`csd-pipeline generate` writes them): the text is
+    prompt + completion, the prompt is context (`empty_completion`, `text_not_string`, `lone_surrogate`)."""
+    prompt, completion = (record.get(name) for name in PROMPT_FIELDS)
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        return Document(source, index, None, "text_not_string")
+    if not completion:
+        return Document(source, index, None, "empty_completion")
+    document = checked_text(source, index, prompt + completion)
+    if document.text is None:
+        return document
+    return Document(source, index, document.text, prompt_bytes=len(prompt.encode("utf-8")))
 
 
 def checked_text(source: str, index: int, text) -> Document:
@@ -117,4 +141,6 @@ def record_size(record, options: ReadOptions) -> int:
     if options.whole_record:
         return len(json.dumps(record, ensure_ascii=False, default=str))
     text = record.get(options.text_field) if isinstance(record, dict) else None
+    if text is None and isinstance(record, dict) and PROMPT_FIELDS[1] in record:
+        text = "".join(v for v in map(record.get, PROMPT_FIELDS) if isinstance(v, str))
     return len(text) if isinstance(text, str) else 1

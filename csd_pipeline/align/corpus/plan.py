@@ -47,6 +47,9 @@ def discover(paths, split: str | None = None) -> list[CorpusFile]:
             raise CsdError(f"corpus path {arg} does not exist; check the path.")
         if given.is_dir() and hf.saved_kind(given):
             _add_saved(found, given, shown, split)
+        elif given.is_dir() and (given / "run.json").is_file():
+            for shard in _generated_shards(given):  # a `csd-pipeline generate` output: its shards only
+                _add_file(found, shard, f"{shown}/{shard.name}")
         elif given.is_dir():
             members = _walk(given)
             if not members:
@@ -62,6 +65,17 @@ def discover(paths, split: str | None = None) -> list[CorpusFile]:
         else:
             raise CsdError(f"corpus file {arg} has an unsupported type; use {ACCEPTED}.")
     return sorted(found.values(), key=lambda f: f.source)
+
+
+def _generated_shards(directory: Path) -> list[Path]:
+    """The shards of a complete `csd-pipeline generate` output, in manifest order."""
+    from csd_pipeline.runtime.manifest import read_manifest
+
+    if not (directory / "manifest.json").is_file():
+        raise CsdError(f"corpus directory {directory} is a stage output without a manifest (not complete); finish "
+                       "it by re-running its command, or check `csd-pipeline status` on it.")
+    manifest = read_manifest(directory, stage="generate")
+    return [directory / shard["file"] for shard in manifest["shards"]]
 
 
 def file_format(name: str) -> tuple[str, str | None] | None:

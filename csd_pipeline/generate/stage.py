@@ -1,0 +1,208 @@
+"""The generate stage: the student writes completions for a prompt corpus, in resumable shards.
+
+`GenerateStage(config)` reads the prompts (the corpus readers of the align stage, field
+`--prompt-field`, optionally cut to a prefix of `--prompt-chars`), loads the student's tokenizer and
+declares what the shared executor (`runtime.executor.run_stage`) needs:
+
+- identity: the config's sampling settings, the student's fingerprint, the corpus fingerprints;
+- plan: the prompts in corpus order, `--prompts-per-shard` per shard (the prompts travel in the
+  plan, so a re-run resumes the same shards);
+- shard writer: `GenerateShardWriter`, which loads the student once per process and writes one JSON
+  line per sample: {"prompt", "completion", "source", "record_index", "sample", "finish",
+  "completion_tokens"[, "reference"]}.
+
+A shard's bytes depend only on its prompts and the config: samples are generated in fixed groups of
+`--batch-size` within the shard, each with a seed derived from (seed, source, record index, sample).
+The output folder is a corpus: `csd-pipeline align --corpus DIR` reads its shards in manifest order,
+as prompt/completion records (`align/prompt_completion.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from csd_pipeline.errors import CsdError
+from csd_pipeline.generate.config import GenerateConfig
+from csd_pipeline.runtime.executor import (
+    Placement,
+    ShardResult,
+    ShardTask,
+    Stage,
+    check_output_dir,
+    run_stage,
+    shard_name,
+)
+
+STAGE = "generate"
+SCHEMA_VERSION = 1
+WHITESPACE = " \t\r\n\f\v"
+
+
+def run_generate(config: GenerateConfig, *, rank: int | None = None, world_size: int | None = None, workers: int = 1,
+                 log=None):
+    """Run (or resume) the generate stage for this rank; returns the executor's `RunReport`."""
+    config.validate()
+    placement = Placement.resolve(rank, world_size, workers)
+    return run_stage(GenerateStage(config, log), placement, log=log)
+
+
+class GenerateStage(Stage):
+    """The generate stage of one `GenerateConfig`."""
+
+    name = STAGE
+    schema_version = SCHEMA_VERSION
+    suffix = ".jsonl"
+
+    def __init__(self, config: GenerateConfig, log=None):
+        from csd_pipeline.align.corpus import discover
+        from csd_pipeline.runtime.model_loading import model_fingerprint, resolve_device, resolve_model_source
+
+        self.config = config
+        self.output_dir = Path(config.output)
+        check_output_dir(self.output_dir)
+        self.files = discover(config.corpus)
+        path, gguf = resolve_model_source(config.model, trust_remote_code=config.trust_remote_code)
+        self.model_path, self.gguf_file = path, gguf
+        self.fingerprint = model_fingerprint(path, gguf)
+        self.device_type = resolve_device(config.device).type
+
+    def identity(self, world_size: int) -> dict:
+        config = self.config
+        settings = {name: getattr(config, name) for name in (
+            "prompt_field", "prompt_chars", "max_new_tokens", "temperature", "top_p", "samples_per_prompt", "seed",
+            "batch_size", "prompts_per_shard", "backend", "dtype")} | {"device_type": self.device_type}
+        return {"config": settings, "model": {"fingerprint": self.fingerprint["sha256"]},
+                "inputs": [f.fingerprint() for f in self.files]}
+
+    def manifest_extra(self) -> dict:
+        return {"sources": {"model": str((self.model_path / (self.gguf_file or "")).resolve())}}
+
+    def plan(self, world_size: int, log) -> list[ShardTask]:
+        prompts = read_prompts(self.files, self.config)
+        if not prompts:
+            raise CsdError(f"no prompt found in {', '.join(self.config.corpus)} (field {self.config.prompt_field!r}); "
+                           "pass --prompt-field with the field that holds the prompts.")
+        log(f"planning {len(prompts)} prompts x {self.config.samples_per_prompt} samples...")
+        size = self.config.prompts_per_shard
+        return [ShardTask(index, shard_name(index % world_size, index), {"prompts": prompts[start:start + size]})
+                for index, start in enumerate(range(0, len(prompts), size))]
+
+    def shard_writer(self) -> GenerateShardWriter:
+        return GenerateShardWriter(self.config, str(self.model_path / (self.gguf_file or "")))
+
+
+def read_prompts(files, config: GenerateConfig) -> list[dict]:
+    """{"source", "record_index", "prompt"[, "reference"]} of every usable document, in corpus order."""
+    from csd_pipeline.align.corpus import ReadOptions, plan_shards, read_segment
+
+    options = ReadOptions(config.prompt_field)
+    prompts = []
+    from csd_pipeline.align.corpus import CorpusFile
+
+    for segments in plan_shards(files, options, 1 << 62):
+        for segment in segments:
+            spec = {**{k: v for k, v in segment.items() if k != "file"}, **files[segment["file"]].spec()}
+            for document in read_segment(CorpusFile.from_spec(spec), spec, options):
+                if not document.text:
+                    continue
+                entry = {"source": document.source, "record_index": document.record_index, "prompt": document.text}
+                if config.prompt_chars:
+                    cut = _prefix_end(document.text, config.prompt_chars)
+                    if cut == 0 or cut == len(document.text):
+                        continue  # no whitespace to cut at, or nothing left to continue
+                    entry["prompt"], entry["reference"] = document.text[:cut], document.text[cut:]
+                prompts.append(entry)
+    return prompts
+
+
+def _prefix_end(text: str, chars: int) -> int:
+    """The end of the prompt: the last whitespace at or before `chars` (the reference starts with it)."""
+    if len(text) <= chars:
+        return len(text)
+    cut = chars
+    while cut > 0 and text[cut] not in WHITESPACE:
+        cut -= 1
+    while cut > 0 and text[cut - 1] in WHITESPACE:
+        cut -= 1
+    return cut
+
+
+class GenerateShardWriter:
+    """Writes one shard of samples; picklable (each worker process loads its own student)."""
+
+    def __init__(self, config: GenerateConfig, model: str):
+        self.config = config
+        self.model = model
+        self._state = None  # (backend, tokenizer bundle), loaded on first use in this process
+
+    def __getstate__(self):
+        return {"config": self.config, "model": self.model, "_state": None}
+
+    def _load(self):
+        if self._state is None:
+            from csd_pipeline.generate.backend import SamplingSettings
+            from csd_pipeline.generate.transformers_backend import TransformersBackend
+            from csd_pipeline.runtime.model_loading import load_causal_lm
+            from csd_pipeline.teacher.shard_writer import deterministic_torch
+            from csd_pipeline.vocab.vocabulary import load_tokenizer
+
+            config = self.config
+            loaded = load_causal_lm(self.model, dtype=config.dtype, device=config.device,
+                                    trust_remote_code=config.trust_remote_code)
+            deterministic_torch(str(loaded.device))
+            bundle = load_tokenizer(str(loaded.path), trust_remote_code=config.trust_remote_code)
+            roles = bundle.vocab.roles
+            stops = tuple(sorted({roles[r] for r in ("eos", "eot") if r in roles}))
+            pad = roles.get("pad", roles.get("eos", 0))
+            settings = SamplingSettings(config.max_new_tokens, float(config.temperature), float(config.top_p), stops, pad)
+            self._state = (TransformersBackend(loaded, settings), bundle)
+        return self._state
+
+    def __call__(self, task: ShardTask, tmp_path: Path) -> ShardResult:
+        from csd_pipeline.generate.backend import sample_seed
+
+        backend, bundle = self._load()
+        config = self.config
+        context = bundle.vocab.context_token()
+        work = [(entry, sample) for entry in task.spec["prompts"] for sample in range(config.samples_per_prompt)]
+        encoded = {}
+        stats = {"samples": 0, "finish": {"stop": 0, "length": 0}, "completion_tokens": 0, "empty_completions": 0}
+        with open(tmp_path, "w", encoding="utf-8", newline="\n") as handle:
+            for start in range(0, len(work), config.batch_size):
+                group = work[start:start + config.batch_size]
+                prompts = []
+                for entry, _ in group:
+                    key = (entry["source"], entry["record_index"])
+                    if key not in encoded:
+                        ids = bundle.tokenizer.encode(entry["prompt"], add_special_tokens=False).ids
+                        encoded[key] = ([context] if context is not None else []) + list(ids)
+                    prompts.append(encoded[key])
+                seeds = [sample_seed(config.seed, e["source"], e["record_index"], s) for e, s in group]
+                for (entry, sample), generation in zip(group, backend.generate(prompts, seeds), strict=True):
+                    completion = completion_text(bundle.vocab, generation.ids)
+                    record = {"source": entry["source"], "record_index": entry["record_index"], "sample": sample,
+                              "prompt": entry["prompt"], "completion": completion, "finish": generation.finish,
+                              "completion_tokens": len(generation.ids)}
+                    if "reference" in entry:
+                        record["reference"] = entry["reference"]
+                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    stats["samples"] += 1
+                    stats["finish"][generation.finish] += 1
+                    stats["completion_tokens"] += len(generation.ids)
+                    stats["empty_completions"] += not completion
+        return ShardResult(rows=len(work), stats=stats)
+
+
+def completion_text(vocab, ids: list[int]) -> str:
+    """The text the ids spell (special tokens spell nothing); an incomplete UTF-8 character at the end
+    (a sample cut by --max-new-tokens) is dropped, other invalid bytes become U+FFFD."""
+    data = b"".join(vocab.token_bytes[i] for i in ids)
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # the last character's first byte
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4
+            if need > back:
+                data = data[:-back]
+            break
+    return data.decode("utf-8", errors="replace")
