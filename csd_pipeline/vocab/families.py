@@ -100,6 +100,8 @@ def tokenizer_family(spec: dict, name: str) -> tuple[str, bool]:
             if p.get("type") == "Metaspace":
                 scheme = p.get("prepend_scheme", "always" if p.get("add_prefix_space", True) else "never")
                 dummy = dummy or scheme in ("always", "first")
+            elif p.get("type") == "Split" and p.get("behavior") != "Removed":
+                continue   # cuts the text but keeps every character (Gemma splits on spaces)
             else:
                 raise UnsupportedTokenizerError(
                     f"tokenizer {name}: pre-tokenizer {p.get('type')} is not supported with SentencePiece BPE "

@@ -209,6 +209,19 @@ def test_roles_and_context_tokens():
     assert "eot" in qwen.roles
 
 
+def test_gemma3_has_no_dummy_prefix_and_spells_whitespace_runs():
+    """Gemma 3: SentencePiece without a dummy prefix; runs of spaces, newlines and tabs are whole tokens."""
+    gemma = bundle("gemma3")
+    vocab = gemma.vocab
+    assert vocab.family == "sentencepiece" and not vocab.dummy_prefix and vocab.adds_bos
+    assert vocab.context_token() == vocab.roles["bos"]
+    assert gemma.tokenizer.id_to_token(vocab.roles["eot"]) == "<end_of_turn>"
+    (enc,) = gemma.encode_spans(["    return x\n\n\tdone"])
+    assert enc.exact
+    assert [vocab.token_bytes[i] for i in enc.ids.tolist()] == [b"    ", b"return", b" x", b"\n\n", b"\t", b"done"]
+    assert enc.ends.tolist() == [4, 10, 12, 14, 15, 19]
+
+
 def test_spelling_classes_sum_sentencepiece_byte_pieces():
     """SentencePiece `A` and `<0x41>` spell the same bytes: one spelling class of two ids."""
     vocab = bundle("llama-spm").vocab
