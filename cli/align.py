@@ -7,6 +7,18 @@ import click
 from cli.outputs import echo_run_report
 
 
+def _table_pairs(ctx, param, pairs):
+    """--tables takes two files; a pair whose second item is an option means only one file was given."""
+    from csd_pipeline.errors import CsdError
+
+    for pair in pairs:
+        for item in pair:
+            if item.startswith("--"):
+                raise CsdError(f"--tables takes two files, S2T T2S, but got {pair[0]} followed by the option {item}; "
+                               "give both tables of the teacher (student->teacher, then teacher->student).")
+    return pairs
+
+
 @click.command()
 @click.option("--corpus", "corpus", multiple=True, required=True, type=click.Path(),
               help="A .txt/.jsonl/.json/.parquet file or a directory of them; repeatable.")
@@ -24,7 +36,7 @@ from cli.outputs import echo_run_report
                    "(default: --max-student-tokens).")
 @click.option("--no-context-token", is_flag=True,
               help="Do not start each window with the BOS / document-separator token.")
-@click.option("--tables", "tables", nargs=2, multiple=True, type=click.Path(dir_okay=False),
+@click.option("--tables", "tables", nargs=2, multiple=True, type=click.Path(dir_okay=False), callback=_table_pairs,
               help="S2T T2S: existing student->teacher and teacher->student tables, once per teacher in order "
                    "(default: build them).")
 @click.option("--text-field", default="text", show_default=True, help="The text field of .jsonl/.json/.parquet records.")
@@ -69,9 +81,9 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
         context_token=not no_context_token,
         text_field=text_field,
         split_on_blank_lines=split_on_blank_lines,
-        shard_bytes=int(shard_mb * (1 << 20)),
+        shard_bytes=_positive_bytes(shard_mb, "--shard-mb"),
         tables=[tuple(pair) for pair in tables],
-        batch_bytes=max(1, int(batch_mb * (1 << 20))),
+        batch_bytes=_positive_bytes(batch_mb, "--batch-mb"),
         trust_remote_code=trust_remote_code,
         student_chat_template=student_chat_template,
         teacher_chat_templates=list(teacher_chat_templates),
@@ -81,5 +93,32 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
     )
     log = None if quiet else (lambda message: click.echo(message, err=True))
     report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)
+    if report.complete:
+        _refuse_empty(output)
     if not quiet:
         echo_run_report(output, report)
+
+
+def _positive_bytes(mib: float, option: str) -> int:
+    """MiB -> bytes, refusing zero, negative or non-finite sizes (one line naming the option)."""
+    import math
+
+    from csd_pipeline.errors import CsdError
+
+    if not (math.isfinite(mib) and mib > 0) or int(mib * (1 << 20)) < 1:
+        raise CsdError(f"{option} {mib:g} is not a positive size; pass a number of MiB above 0 (e.g. {option} 1).")
+    return int(mib * (1 << 20))
+
+
+def _refuse_empty(output) -> None:
+    """End non-zero, even with --quiet, when the corpus gave no aligned row (every record rejected)."""
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.runtime.manifest import read_manifest
+
+    totals = read_manifest(output)["totals"]
+    if totals["rows"]:
+        return
+    rejected = totals.get("stats", {}).get("rejected_documents", {})
+    reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(rejected.items())) or "none read"
+    raise CsdError(f"{output} holds 0 aligned rows: no record of the corpus gave text ({reasons}); check --text-field, "
+                   "--mode and the corpus, then align into a new --output.")

@@ -285,7 +285,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
             negated = raw.startswith("no-") and raw[3:].replace("-", "_") in _FIELDS
             name = _known(raw[3:] if negated else raw, "the command line")
             hint = _HINTS[name]
-            if hint is bool and not has_value:
+            if hint is bool and not has_value and not negated and i + 1 < len(rest) and rest[i + 1].lower() in (
+                    "true", "false", "yes", "no", "on", "off", "1", "0"):  # `--progress false`
+                values[name] = _coerce(name, rest[i + 1], f"--{_flag(name)}")
+                i += 1
+            elif hint is bool and not has_value:
                 values[name] = not negated
             else:
                 if negated:

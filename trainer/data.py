@@ -100,15 +100,16 @@ class TrainingData:
     @classmethod
     def open(cls, config) -> TrainingData:
         """Read and cross-check the manifests of `config.aligned` and `config.teacher_logits`."""
+        from csd_pipeline.runtime.integrity import check_shard_rows
         from csd_pipeline.runtime.manifest import read_manifest, require_fingerprint, verify_shards
         from csd_pipeline.vocab.vocabulary import load_tokenizer
         from schemas.aligned import SCHEMA_VERSION, STAGE
 
         aligned_dir = Path(config.aligned)
         manifest = read_manifest(aligned_dir, stage=STAGE, schema_versions=[SCHEMA_VERSION])
-        problems = verify_shards(manifest, aligned_dir)
+        problems = verify_shards(manifest, aligned_dir) or check_shard_rows(manifest, aligned_dir)
         if problems:
-            raise CsdError(f"aligned directory {aligned_dir}: {problems[0]}; re-run `{ALIGN_RERUN}` into it")
+            raise CsdError(f"aligned directory {aligned_dir}: {problems[0]}; {_manifest_fix(aligned_dir, ALIGN_RERUN)}")
         max_student = _find_key(manifest, ("config", "max_student_tokens"))
         if max_student is not None and int(max_student) > config.seq_len:
             raise CsdError(
@@ -145,8 +146,11 @@ class TrainingData:
                                    f"(given: {sorted(by_index)}); add its directory or drop it from --kd-teachers")
                 if weight > 0:
                     directory, teacher_manifest = by_index[index]
+                    _check_top_k(config.teacher_top_k, directory, teacher_manifest)
                     teachers.append(TeacherSource(index, directory, teacher_manifest, weight))
-        return cls(config, aligned_dir, manifest, bundle, tokenizer_source, teachers, num_teachers)
+        data = cls(config, aligned_dir, manifest, bundle, tokenizer_source, teachers, num_teachers)
+        data.tables_for_teachers()  # every table matches the aligned tokenizers, before training starts
+        return data
 
     def loader(self, rank: int, world: int, state: dict | None):
         """This rank's endless stream of `MicroBatch`es, from loader `state` (None: the start)."""
@@ -159,6 +163,8 @@ class TrainingData:
             aligned_dir=str(self.aligned_dir), shard_files=list(self.shard_files), shard_rows=self.shard_rows,
             teacher_dirs=[str(t.directory) for t in self.teachers],
             teacher_shard_files=[[s["file"] for s in t.manifest["shards"]] for t in self.teachers],
+            shard_sha256=[s["sha256"] for s in self.manifest["shards"]],
+            teacher_shard_sha256=[[s["sha256"] for s in t.manifest["shards"]] for t in self.teachers],
             teacher_indices=[t.index for t in self.teachers], tables=self.tables_for_teachers(),
             seed=self.config.seed, shuffle_block=self.config.shuffle_block, seq_len=self.config.seq_len,
             batch_size=self.config.batch_size, spelling=self.config.spelling,
@@ -176,28 +182,26 @@ class TrainingData:
         return 0
 
     def tables_for_teachers(self) -> list[tuple[str, str]]:
-        """(student->teacher, teacher->student) table paths of each active teacher, from the aligned manifest."""
+        """(student->teacher, teacher->student) table paths of each active teacher, from the aligned manifest,
+        each checked to be made for the tokenizers the manifest records (`integrity.check_table_fingerprints`)."""
+        from csd_pipeline.runtime.integrity import check_table_fingerprints
+
         out = []
         for teacher in self.teachers:
-            tables = self.manifest.get("tables")
-            entry = tables[teacher.index] if isinstance(tables, list) and teacher.index < len(tables) else None
-            if not isinstance(entry, dict) or "student_to_teacher" not in entry:
-                raise CsdError(f"aligned manifest of {self.aligned_dir} lists no tables for teacher {teacher.index}; "
-                               f"re-run `{ALIGN_RERUN}`")
-            s2t = self.aligned_dir / entry["student_to_teacher"]
-            t2s = self.aligned_dir / entry["teacher_to_student"]
-            for path in (s2t, t2s):
-                if not path.is_file():
-                    raise CsdError(f"table {path} listed by the aligned manifest is missing; re-run `{ALIGN_RERUN}`")
+            s2t, t2s = check_table_fingerprints(self.manifest, self.aligned_dir, teacher.index)
             out.append((str(s2t), str(t2s)))
         return out
 
 
 def _open_teacher(directory: Path, aligned_dir: Path, aligned_manifest: dict) -> tuple[Path, dict, int]:
     """Read one teacher manifest and check it against the aligned data; returns (dir, manifest, index)."""
+    from csd_pipeline.runtime.integrity import check_shard_rows
     from csd_pipeline.runtime.manifest import read_manifest, verify_shards
 
     manifest = read_manifest(directory, stage="teacher-logits")
+    problems = verify_shards(manifest, directory) or check_shard_rows(manifest, directory)
+    if problems:  # the teacher output's own consistency first: then a mismatch below is between the stages
+        raise CsdError(f"teacher top-k directory {directory}: {problems[0]}; {_manifest_fix(directory, TEACHER_RERUN)}")
     recorded = _find_key(manifest, ("aligned", "manifest_sha256"))
     actual = _sha256_file(aligned_dir / "manifest.json")
     if recorded != actual:
@@ -211,11 +215,20 @@ def _open_teacher(directory: Path, aligned_dir: Path, aligned_manifest: dict) ->
     if aligned_shards != teacher_shards:
         raise CsdError(f"teacher top-k shards in {directory} are not co-partitioned with {aligned_dir}; "
                        f"re-run `{TEACHER_RERUN} --aligned {aligned_dir}`")
-    problems = verify_shards(manifest, directory)
-    if problems:
-        raise CsdError(f"teacher top-k directory {directory}: {problems[0]}; re-run `{TEACHER_RERUN}` into it")
     index = _find_key(manifest, ("config", "teacher_index"))
     return directory, manifest, int(index or 0)
+
+
+def _manifest_fix(directory: Path, rerun: str) -> str:
+    return (f"run `csd-pipeline status {directory} --finalize` to rewrite its manifest from the shards' completion "
+            f"records, or re-run `{rerun}` into a new --output")
+
+
+def _check_top_k(wanted: int, directory: Path, manifest: dict) -> None:
+    stored = _find_key(manifest, ("config", "top_k"))
+    if wanted and stored is not None and wanted > int(stored):
+        raise CsdError(f"--teacher-top-k {wanted} is more than the {stored} entries per position stored in {directory}; "
+                       f"pass at most {stored} (0: all), or re-run `{TEACHER_RERUN}` with --top-k {wanted}")
 
 
 def _check_state(state: dict | None) -> dict:
@@ -255,6 +268,8 @@ class LoaderSpec:
     pad_id: int
     teacher_top_k: int = 0
     teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
+    shard_sha256: list[str] | None = None               # checked on every read (runtime/integrity.py)
+    teacher_shard_sha256: list[list[str]] | None = None
 
 
 @dataclass
@@ -278,15 +293,12 @@ def _aligned_columns(spec: LoaderSpec) -> list[str]:
 class _ShardColumns:
     """One aligned shard's columns as flat numpy arrays + offsets (O(1) row access, no Python lists)."""
 
-    def __init__(self, path: Path, columns: list[str]):
+    def __init__(self, path: Path, columns: list[str], sha256: str | None = None):
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        try:
-            table = pq.read_table(path, columns=columns)
-        except (OSError, KeyError, pa.ArrowInvalid) as err:
-            raise CsdError(f"cannot read aligned shard {path} ({str(err).splitlines()[0]}); "
-                           f"re-run `{ALIGN_RERUN}`") from None
+        from csd_pipeline.runtime.integrity import read_verified_table
+
+        table = read_verified_table(path, sha256, columns)  # bytes read once, hashed, page checksums verified
         self.lists: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.scalars: dict[str, list] = {}
         for name in columns:
@@ -316,7 +328,8 @@ def _windows(spec: LoaderSpec):
         position = start
         for _, rows in plan.rank_rows(spec.rank, spec.world, start):
             shard_of = np.searchsorted(offsets, rows, side="right") - 1
-            shards = {s: _ShardColumns(Path(spec.aligned_dir) / spec.shard_files[s], columns)
+            shards = {s: _ShardColumns(Path(spec.aligned_dir) / spec.shard_files[s], columns,
+                                       spec.shard_sha256[s] if spec.shard_sha256 else None)
                       for s in np.unique(shard_of).tolist()}
             for global_row, shard in zip(rows.tolist(), shard_of.tolist(), strict=True):
                 local = global_row - int(offsets[shard])
@@ -376,7 +389,8 @@ class _BatchBuilder:
             open_shards = min(self.spec.shuffle_block, len(self.spec.shard_files))
             share = self.spec.teacher_cache_bytes // (open_shards * len(self.spec.teacher_dirs))
             self._teacher_cache[key] = read_teacher_shard(
-                Path(self.spec.teacher_dirs[t]), self.spec.teacher_shard_files[t][shard], cache_bytes=share
+                Path(self.spec.teacher_dirs[t]), self.spec.teacher_shard_files[t][shard], cache_bytes=share,
+                sha256=self.spec.teacher_shard_sha256[t][shard] if self.spec.teacher_shard_sha256 else None,
             )
         topk = self._teacher_cache[key][row]
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk

@@ -48,8 +48,7 @@ def content_targets(chunk_len: np.ndarray, status: np.ndarray, n_tokens: int) ->
 
 def _eval_rows(aligned_dir: Path, side, max_rows: int, fingerprint: str | None):
     """(ids, target indices, text bytes) of the held-out rows, in manifest order."""
-    import pyarrow.parquet as pq
-
+    from csd_pipeline.runtime.integrity import read_verified_table
     from csd_pipeline.runtime.manifest import read_manifest, require_fingerprint, shard_paths
     from schemas.aligned import SCHEMA_VERSION, STAGE
 
@@ -68,12 +67,9 @@ def _eval_rows(aligned_dir: Path, side, max_rows: int, fingerprint: str | None):
         require_fingerprint(manifest, aligned_dir, what, recorded, fingerprint)
     ids_col, len_col, status_col = _side_columns(side)
     count = 0
-    for path in shard_paths(manifest, aligned_dir):
-        try:
-            table = pq.read_table(path, columns=["text", ids_col, len_col, status_col])
-        except KeyError:
-            raise CsdError(f"{path} has no column {ids_col}: {aligned_dir} aligns fewer teachers than asked; "
-                           "pick an existing teacher index") from None
+    for shard, path in zip(manifest["shards"], shard_paths(manifest, aligned_dir), strict=True):
+        # bytes read once, checked against the manifest's sha256 (csd_pipeline/runtime/integrity.py)
+        table = read_verified_table(path, shard.get("sha256"), ["text", ids_col, len_col, status_col])
         columns = table.to_pydict()
         for text, ids, lens, status in zip(columns["text"], columns[ids_col], columns[len_col], columns[status_col],
                                            strict=True):

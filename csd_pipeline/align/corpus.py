@@ -34,6 +34,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 from csd_pipeline.errors import CsdError
 
@@ -85,8 +86,8 @@ class Document:
 def discover(paths) -> list[CorpusFile]:
     """Expand corpus paths (files or directories) into a sorted, de-duplicated list of files.
 
-    Raises `CsdError` for a path that does not exist, a file of an unsupported type, or a
-    directory without any supported file.
+    Raises `CsdError` for a path that does not exist, a file of an unsupported type or that is not a
+    regular file (a FIFO would block), or a directory without any supported file.
     """
     if not paths:
         raise CsdError("no corpus given; pass at least one --corpus PATH (.txt, .jsonl, .json, .parquet or a directory).")
@@ -124,6 +125,9 @@ def _add(found: dict, path: Path, source: str) -> None:
     if resolved in found:
         return
     stat = path.stat()
+    if not S_ISREG(stat.st_mode):  # a FIFO or device would block the planner or never end
+        raise CsdError(f"corpus path {source} is not a regular file (a pipe, socket or device); save the text to a "
+                       "file and pass that.")
     found[resolved] = CorpusFile(resolved, source, path.suffix.lower()[1:], stat.st_size, stat.st_mtime_ns)
 
 

@@ -146,6 +146,10 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     options = ReadOptions(config.text_field, config.split_on_blank_lines, whole_record=chat is not None)
     check_identity(out, STAGE, identity)  # before anything is written into the directory
     tasks = _recorded_tasks(out, identity, read_run_record)
+    if tasks is not None:
+        from csd_pipeline.runtime.safe_paths import check_recorded_corpus
+
+        check_recorded_corpus(tasks, {f.path for f in files}, out)
     if tasks is None:
         log_line(log, f"planning shards over {len(files)} corpus file(s)...")
         shards = plan_shards(files, options, config.shard_bytes)
@@ -280,7 +284,7 @@ def _prepare_tables(out: Path, config: AlignConfig, student, teachers, log) -> N
                 source, destination = (student, teacher) if position == 0 else (teacher, student)
                 folder.mkdir(parents=True, exist_ok=True)
                 tmp = target.with_name(f"{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-                build_table(source, destination).save(tmp)
+                build_table(source, destination).save(tmp)  # CsdError (tmp removed) when the write fails
                 os.replace(tmp, target)
 
 
@@ -294,8 +298,18 @@ def table_fingerprints(path) -> tuple[str, str]:
 def _copy_atomic(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{target.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
+    from csd_pipeline.runtime.io_errors import discard, reason_and_advice
+
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException as err:
+        discard(tmp)  # a copy that fails (disk full) leaves nothing behind
+        if not isinstance(err, OSError):
+            raise
+        reason, advice = reason_and_advice(err)
+        raise CsdError(f"copying table {source} into {target.parent} failed ({reason}); {advice}, then re-run the "
+                       "same command (it resumes)") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,8 +353,11 @@ def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
     rows = 0
     pending: list = []
     pending_rows = 0
-    with pq.ParquetWriter(str(tmp_path), schema, compression="zstd", compression_level=COMPRESSION_LEVEL,
-                          write_statistics=False, store_schema=True) as writer:
+    from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS, checksummed_schema
+
+    with pq.ParquetWriter(str(tmp_path), checksummed_schema(schema), compression="zstd",
+                          compression_level=COMPRESSION_LEVEL, write_statistics=False, store_schema=True,
+                          **PARQUET_CHECKSUMS) as writer:
 
         def flush(final: bool) -> None:
             nonlocal pending, pending_rows

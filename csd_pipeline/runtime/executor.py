@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.io_errors import discard
 from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
 
 RUN_NAME = "run.json"
@@ -53,11 +54,15 @@ def atomic_write_bytes(path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_path(path)
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        discard(tmp)  # a failed write (disk full) leaves nothing behind
+        raise
 
 
 def json_bytes(obj) -> bytes:
@@ -354,10 +359,14 @@ def _write_shard(processor, task: dict, directory: str, suffix: str) -> dict:
     task_obj = ShardTask(task["index"], task["name"], task["spec"])
     final = Path(directory) / f"{task_obj.name}{suffix}"
     tmp = _tmp_path(final)
-    result = processor(task_obj, tmp)
-    _maybe_crash("before_rename")
-    with tmp.open("rb") as handle:
-        os.fsync(handle.fileno())
+    try:
+        result = processor(task_obj, tmp)
+        _maybe_crash("before_rename")
+        with tmp.open("rb") as handle:
+            os.fsync(handle.fileno())
+    except BaseException:
+        discard(tmp)  # a failed shard (disk full, bad input) leaves no partial file
+        raise
     marker = {
         "name": task_obj.name,
         "index": task_obj.index,
@@ -432,9 +441,13 @@ def _run_in_workers(run: StageRun, pending: list[ShardTask], workers: int, out: 
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
                                  initargs=(run.processor, run.processor_config)) as pool:
             futures = [pool.submit(_worker_write_shard, task.to_json(), str(out), run.suffix) for task in pending]
-            for future in as_completed(futures):
-                marker = future.result()
-                log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+            try:
+                for future in as_completed(futures):
+                    marker = future.result()
+                    log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # one shard failed: start no other
+                raise
     except BrokenProcessPool:
         raise CsdError(
             f"a worker process of rank {rank} died (killed or out of memory) while writing {out}; "

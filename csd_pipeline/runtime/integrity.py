@@ -1,0 +1,163 @@
+"""Shard integrity: readers check the bytes they train on, without reading them twice.
+
+Two layers, both cheap next to training:
+
+- Page checksums. Every Parquet shard writer passes `PARQUET_CHECKSUMS` (a CRC-32 of each data
+  page, `write_page_checksum=True`) and marks the file (`checksummed_schema`: schema metadata
+  `csd.page_checksum = crc32`); readers pass `page_checksum_verification=True`, so a damaged page
+  fails to decode instead of decoding to other values.
+- Shard sha256. The manifest records every shard's sha256. The training loader reads an aligned
+  shard's bytes once into memory, hashes them and decodes from that copy
+  (`read_verified_table`): any changed byte, in a page, a page header or the footer, is refused
+  before a value is used. Teacher top-k shards are read block by block, so there the page
+  checksums do the work; a shard written before they existed (no mark) is hashed once when opened
+  (`verify_unmarked`).
+
+`check_shard_rows` and `check_table_fingerprints` compare a manifest with its own files
+(footers, table headers), so a hand-edited `rows` or a swapped table names the stage that made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from csd_pipeline.errors import CsdError
+
+PAGE_CHECKSUM_KEY = b"csd.page_checksum"
+PAGE_CHECKSUM_VALUE = b"crc32"
+PARQUET_CHECKSUMS = {"write_page_checksum": True}  # ParquetWriter keyword of every shard writer
+STAGE_COMMANDS = {"align": "csd-pipeline align", "teacher-logits": "csd-pipeline teacher-logits"}
+
+
+def checksummed_schema(schema):
+    """`schema` with the page-checksum mark in its metadata (pass it to the ParquetWriter)."""
+    return schema.with_metadata({**(schema.metadata or {}), PAGE_CHECKSUM_KEY: PAGE_CHECKSUM_VALUE})
+
+
+def has_page_checksums(parquet_file) -> bool:
+    """True when a `pq.ParquetFile` was written with page checksums (it carries the mark)."""
+    metadata = parquet_file.schema_arrow.metadata or {}
+    return metadata.get(PAGE_CHECKSUM_KEY) == PAGE_CHECKSUM_VALUE
+
+
+def rewrite_hint(path, stage: str) -> str:
+    """What to do about one damaged shard: drop it and its marker, re-run the stage (same bytes come back)."""
+    path = Path(path)
+    command = STAGE_COMMANDS.get(stage, stage)
+    return (f"delete it and {path.parent / 'done' / (path.stem + '.done')}, then re-run the same `{command}` "
+            "command (it rewrites that shard with the same bytes)")
+
+
+def _damaged(path, stage: str, detail: str) -> CsdError:
+    kind = "aligned" if stage == "align" else "teacher top-k"
+    return CsdError(f"{kind} shard {path} is damaged ({detail}); {rewrite_hint(path, stage)}")
+
+
+def read_verified_table(path, sha256: str | None, columns: list[str] | None, stage: str = "align"):
+    """The Arrow table of a Parquet shard whose bytes have the recorded `sha256` (read once, hashed in memory).
+
+    Page checksums are verified too where the shard has them. `sha256` None skips the hash (callers
+    without a manifest). Raises `CsdError` naming the shard and what to do when the file is missing,
+    differs from its record or does not decode.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CsdError(f"cannot read shard {path} ({err.strerror or err}); check the file, "
+                       f"or {rewrite_hint(path, stage)}") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise _damaged(path, stage, "its sha256 is not the one its manifest records")
+    try:
+        parquet = pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
+        missing = [c for c in columns or [] if c not in parquet.schema_arrow.names]
+        if missing:
+            raise CsdError(f"shard {path} has no column {missing[0]} (its directory was made for fewer teachers "
+                           "or another schema); pass a teacher index it has, or re-run the stage that made it")
+        return parquet.read(columns=columns)
+    except (OSError, KeyError, pa.ArrowInvalid) as err:
+        raise damaged_read(path, stage, err) from None
+
+
+def file_sha256(path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_unmarked(parquet_file, path, sha256: str | None, stage: str) -> None:
+    """For a shard written without page checksums: check its whole-file sha256 (when recorded)."""
+    if sha256 is None or has_page_checksums(parquet_file):
+        return
+    try:
+        actual = file_sha256(path)
+    except OSError as err:
+        raise CsdError(f"cannot read shard {path} ({err.strerror or err}); {rewrite_hint(path, stage)}") from None
+    if actual != sha256:
+        raise _damaged(path, stage, "its sha256 is not the one its manifest records")
+
+
+def damaged_read(path, stage: str, err: BaseException) -> CsdError:
+    """The `CsdError` for a read that failed mid-shard (a page checksum or decode error)."""
+    return _damaged(path, stage, str(err).splitlines()[0] if str(err) else type(err).__name__)
+
+
+def check_shard_rows(manifest: dict, directory) -> list[str]:
+    """Problems (one sentence each) where a shard's footer row count differs from the manifest's `rows`."""
+    import pyarrow.parquet as pq
+
+    problems = []
+    for shard in manifest.get("shards") or []:
+        path = Path(directory) / shard["file"]
+        try:
+            rows = pq.read_metadata(str(path)).num_rows
+        except (OSError, ValueError) as err:
+            problems.append(f"shard {shard['file']} is unreadable ({str(err).splitlines()[0] if str(err) else err})")
+            continue
+        if rows != shard.get("rows"):
+            problems.append(f"the manifest says shard {shard['file']} has {shard.get('rows')!r} rows, the file has "
+                            f"{rows}")
+    return problems
+
+
+def check_table_fingerprints(manifest: dict, directory, teacher: int) -> tuple[Path, Path]:
+    """The (student->teacher, teacher->student) tables of teacher `teacher` of an aligned output, checked.
+
+    Each table's header must name the tokenizers the manifest records for that teacher (and the
+    right direction). Raises `CsdError` naming `csd-pipeline align` when a table is missing, swapped
+    or made for other tokenizers.
+    """
+    from csd_pipeline.runtime.safe_paths import path_inside
+    from csd_pipeline.vocab.tables import read_table_fingerprints
+
+    directory = Path(directory)
+    rerun = f"re-run `csd-pipeline align` into a new --output (or restore {directory}/tables)"
+    tables = manifest.get("tables")
+    entry = tables[teacher] if isinstance(tables, list) and 0 <= teacher < len(tables) else None
+    if not isinstance(entry, dict) or "student_to_teacher" not in entry:
+        raise CsdError(f"aligned manifest of {directory} lists no tables for teacher {teacher}; {rerun}")
+    student = (manifest.get("tokenizers") or {}).get("student", {}).get("fingerprint")
+    teachers = (manifest.get("tokenizers") or {}).get("teachers") or []
+    teacher_fp = teachers[teacher].get("fingerprint") if teacher < len(teachers) else None
+    paths = []
+    for key, wanted in (("student_to_teacher", (student, teacher_fp)), ("teacher_to_student", (teacher_fp, student))):
+        path = path_inside(directory, entry.get(key), f"the manifest of {directory} names a table", rerun)
+        if not path.is_file():
+            raise CsdError(f"table {path} listed by the aligned manifest is missing; {rerun}")
+        try:
+            found = tuple(read_table_fingerprints(path))
+        except (OSError, ValueError, CsdError) as err:
+            raise CsdError(f"table {path} is unreadable ({str(err).splitlines()[0]}); {rerun}") from None
+        if found != wanted:
+            direction = key.replace("_to_", "->")
+            raise CsdError(f"table {path} is not the {direction} table of the tokenizers {directory} was aligned "
+                           f"with (its header names {found[0][:12]} -> {found[1][:12]}); {rerun}")
+        paths.append(path)
+    return paths[0], paths[1]
