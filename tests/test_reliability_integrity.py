@@ -331,7 +331,8 @@ def test_table_outside_the_output_is_refused(trainer_data, copy):
         TrainingData.open(config(trainer_data, copy["aligned"], "--loss", "ce"))
 
 
-def test_align_run_record_naming_another_file_is_refused(tmp_path):
+@pytest.mark.parametrize("edit", ["corpus path", "shard name"])
+def test_align_run_record_naming_another_file_is_refused(tmp_path, edit):
     from csd_pipeline.align.stage import AlignConfig, run_align
     from tests.reliability_cases import CORPUS
 
@@ -340,8 +341,14 @@ def test_align_run_record_naming_another_file_is_refused(tmp_path):
                    output=str(out), max_student_tokens=128, split_on_blank_lines=True, shard_bytes=2000)
     run_align(AlignConfig(**options))
     record = json.loads((out / "run.json").read_text())
-    record["tasks"][0]["spec"]["segments"][0]["path"] = "/etc/hostname"
-    (out / "run.json").write_text(json.dumps(record))
     os.unlink(out / "done" / f"{record['tasks'][0]['name']}.done")
-    with pytest.raises(CsdError, match=r"read '/etc/hostname', which is not one of the --corpus files"):
+    if edit == "corpus path":
+        record["tasks"][0]["spec"]["segments"][0]["path"] = "/etc/hostname"
+        expected = r"read '/etc/hostname', which is not one of the --corpus files"
+    else:
+        record["tasks"][0]["name"] = "../../written-outside"
+        expected = r"names a shard '../../written-outside.parquet', which leads outside"
+    (out / "run.json").write_text(json.dumps(record))
+    with pytest.raises(CsdError, match=expected):
         run_align(AlignConfig(**options))
+    assert not (tmp_path.parent / "written-outside.parquet").exists()

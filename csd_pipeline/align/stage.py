@@ -147,9 +147,9 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     check_identity(out, STAGE, identity)  # before anything is written into the directory
     tasks = _recorded_tasks(out, identity, read_run_record)
     if tasks is not None:
-        from csd_pipeline.runtime.safe_paths import check_recorded_corpus
+        from csd_pipeline.runtime.safe_paths import check_recorded_tasks
 
-        check_recorded_corpus(tasks, {f.path for f in files}, out)
+        check_recorded_tasks(tasks, {f.path for f in files}, out)
     if tasks is None:
         log_line(log, f"planning shards over {len(files)} corpus file(s)...")
         shards = plan_shards(files, options, config.shard_bytes)

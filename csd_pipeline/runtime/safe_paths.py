@@ -49,12 +49,16 @@ def check_manifest_paths(manifest: dict, directory, hint: str) -> None:
                 path_inside(directory, entry[key], f"the manifest of {directory} names a table", hint)
 
 
-def check_recorded_corpus(tasks, corpus_paths: set[str], directory) -> None:
-    """Every corpus file a recorded align run (`DIR/run.json` tasks) reads must be one of `corpus_paths`,
+def check_recorded_tasks(tasks, corpus_paths: set[str], directory) -> None:
+    """The tasks of a recorded align run (`DIR/run.json`) name shards inside DIR and read only `corpus_paths`,
     the files the given --corpus expands to; raises `CsdError` otherwise (an edited run record)."""
+    fix = f"delete {directory} or pass a new --output"
     for task in tasks:
+        path_inside(directory, f"{task.name}.parquet", f"{directory}/run.json names a shard", fix)
+        if "/" in task.name or "\\" in task.name:
+            raise CsdError(f"{directory}/run.json names a shard {task.name!r} in a sub-folder (an edited run record; "
+                           f"refused); {fix}")
         for segment in task.spec.get("segments") or []:
             if segment.get("path") not in corpus_paths:
                 raise CsdError(f"{directory}/run.json has shard {task.name} read {segment.get('path')!r}, which is not "
-                               f"one of the --corpus files (an edited run record; refused); delete {directory} or "
-                               "pass a new --output")
+                               f"one of the --corpus files (an edited run record; refused); {fix}")
