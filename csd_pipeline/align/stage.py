@@ -353,11 +353,10 @@ def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
     rows = 0
     pending: list = []
     pending_rows = 0
-    from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS, checksummed_schema
+    from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS
 
-    with pq.ParquetWriter(str(tmp_path), checksummed_schema(schema), compression="zstd",
-                          compression_level=COMPRESSION_LEVEL, write_statistics=False, store_schema=True,
-                          **PARQUET_CHECKSUMS) as writer:
+    with pq.ParquetWriter(str(tmp_path), schema, compression="zstd", compression_level=COMPRESSION_LEVEL,
+                          write_statistics=False, store_schema=True, **PARQUET_CHECKSUMS) as writer:
 
         def flush(final: bool) -> None:
             nonlocal pending, pending_rows

@@ -3,9 +3,10 @@
 Two layers, both cheap next to training:
 
 - Page checksums. Every Parquet shard writer passes `PARQUET_CHECKSUMS` (a CRC-32 of each data
-  page, `write_page_checksum=True`) and marks the file (`checksummed_schema`: schema metadata
-  `csd.page_checksum = crc32`); readers pass `page_checksum_verification=True`, so a damaged page
-  fails to decode instead of decoding to other values.
+  page, `write_page_checksum=True`), and the shard schemas (schemas/) carry `PAGE_CHECKSUM_MARK`
+  (metadata `csd.page_checksum = crc32`) so a reader can tell; readers pass
+  `page_checksum_verification=True`, so a damaged page fails to decode instead of decoding to other
+  values.
 - Shard sha256. The manifest records every shard's sha256. The training loader reads an aligned
   shard's bytes once into memory, hashes them and decodes from that copy
   (`read_verified_table`): any changed byte, in a page, a page header or the footer, is refused
@@ -26,13 +27,9 @@ from csd_pipeline.errors import CsdError
 
 PAGE_CHECKSUM_KEY = b"csd.page_checksum"
 PAGE_CHECKSUM_VALUE = b"crc32"
+PAGE_CHECKSUM_MARK = {PAGE_CHECKSUM_KEY: PAGE_CHECKSUM_VALUE}  # schema metadata of shards written with them
 PARQUET_CHECKSUMS = {"write_page_checksum": True}  # ParquetWriter keyword of every shard writer
 STAGE_COMMANDS = {"align": "csd-pipeline align", "teacher-logits": "csd-pipeline teacher-logits"}
-
-
-def checksummed_schema(schema):
-    """`schema` with the page-checksum mark in its metadata (pass it to the ParquetWriter)."""
-    return schema.with_metadata({**(schema.metadata or {}), PAGE_CHECKSUM_KEY: PAGE_CHECKSUM_VALUE})
 
 
 def has_page_checksums(parquet_file) -> bool:

@@ -163,9 +163,9 @@ def write_teacher_shard(runner: TeacherRunner, aligned_file: Path, teacher_index
         }, schema=schema), row_group_size=count)
 
     try:
-        from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS, checksummed_schema
+        from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS
 
-        with pq.ParquetWriter(str(tmp_path), checksummed_schema(schema), compression=compression, use_dictionary=False,
+        with pq.ParquetWriter(str(tmp_path), schema, compression=compression, use_dictionary=False,
                               write_statistics=False, store_schema=True, **PARQUET_CHECKSUMS) as writer:
             for block, (start, end) in enumerate(block_ranges([len(r) for r in rows], block_positions)):
                 results = runner.run(rows[start:end])
