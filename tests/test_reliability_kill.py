@@ -60,3 +60,29 @@ def test_whole_command_killed_mid_run_then_rerun_gives_the_same_bytes(reference,
     assert again.returncode == 0, again.stderr
     assert tree(out) == tree(reference)
     assert not list(out.rglob("*.tmp"))
+
+
+def test_a_rerun_removes_temporary_files_of_killed_writers_only(reference, tmp_path):
+    """A kill between a write and its rename leaves `<name>.<host>.<pid>.tmp` (a marker, the manifest, ...)."""
+    import shutil
+    import socket
+
+    out = tmp_path / "aligned"
+    shutil.copytree(reference, out)
+    host = socket.gethostname()
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    dead, alive = finished.pid, os.getpid()
+    leftovers = [out / "done" / f"part-00000-00003.done.{host}.{dead}.tmp", out / f"manifest.json.{host}.{dead}.tmp",
+                 out / "tables" / "teacher0" / f"student_to_teacher.safetensors.{host}.{dead}.tmp"]
+    kept = [out / f"manifest.json.{host}.{alive}.tmp", out / f"manifest.json.another-host.{dead}.tmp"]
+    for path in leftovers + kept:
+        path.write_text("partial")
+    os.unlink(out / "manifest.json")  # so that the re-run does work
+    again = run(*align_args(out, *SMALL_SHARDS))
+    assert again.returncode == 0, again.stderr
+    assert not any(path.exists() for path in leftovers)
+    assert all(path.exists() for path in kept)
+    for path in kept:
+        path.unlink()
+    assert tree(out) == tree(reference)

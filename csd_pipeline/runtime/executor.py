@@ -389,6 +389,9 @@ def _worker_write_shard(task: dict, directory: str, suffix: str) -> dict:
 
 def _remove_stale_tmp(directory: Path, names: list[str], suffix: str) -> None:
     # A killed run leaves `<shard>.<host>.<pid>.tmp`; this rank owns its shards' names.
+    from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
+
+    remove_dead_writers_tmp(directory)  # markers, stats, run.json, manifest of dead writers on this host
     prefixes = tuple(f"{name}{suffix}." for name in names)
     if not prefixes:
         return
