@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.io_errors import require_writable_output
 from trainer import checkpoint, distributed
 from trainer.config import TrainConfig, check_resume_compatible, write_resolved
 from trainer.metrics import MetricsLogger
@@ -69,28 +70,12 @@ def _prepare_output(config: TrainConfig, ctx) -> None:
         from trainer.config import load_yaml
 
         check_resume_compatible(config, load_yaml(str(saved)), str(out))
-    _check_writable(out, ctx.rank)
+    require_writable_output(out)  # every rank: the same verdict, before any rank waits on another
     distributed.barrier()
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_resolved(config, str(saved))
     distributed.barrier()
-
-
-def _check_writable(out: Path, rank: int) -> None:
-    """Every rank creates and removes a probe file in --output (same verdict on every rank, before any wait)."""
-    import os
-
-    probe = out / f".write-probe.rank{rank}.{os.getpid()}.tmp"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        from csd_pipeline.runtime.io_errors import reason_and_advice
-
-        reason, advice = reason_and_advice(err)
-        raise CsdError(f"--output {out} is not writable ({reason}); {advice}") from None
 
 
 def train(config: TrainConfig) -> dict:

@@ -105,6 +105,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         shard_name,
     )
     from csd_pipeline.fixtures.names import resolve_tokenizer_arg
+    from csd_pipeline.runtime.io_errors import require_writable_output
 
     config.validate()
     log = log or (lambda message: None)
@@ -180,7 +181,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
         },
         extra={"tables": _table_records(student, teachers)},
     )
-    out.mkdir(parents=True, exist_ok=True)
+    require_writable_output(out)  # one line for a read-only disk or a path under a file
     check_or_record_run(run)
     _prepare_tables(out, config, student, teachers, log)
     # log=None means quiet here; the executor's own default would print.

@@ -49,6 +49,25 @@ def discard(path) -> None:
         pass
 
 
+def require_writable_output(out, option: str = "--output") -> None:
+    """Create folder `out` and a probe file in it; a `CsdError` naming `option` when that fails."""
+    import os
+    import socket
+    from pathlib import Path
+
+    from csd_pipeline.errors import CsdError
+
+    out = Path(out)
+    probe = out / f".write-probe.{socket.gethostname()}.{os.getpid()}.tmp"  # unique per process on a shared disk
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        reason, advice = reason_and_advice(err)
+        raise CsdError(f"{option} {out} is not writable ({reason}); {advice}") from None
+
+
 def reason_and_advice(err: BaseException) -> tuple[str, str]:
     """(the failure in a few words, what to do about it) for an I/O error."""
     reason = getattr(err, "strerror", None) or (str(err).splitlines()[0] if str(err) else type(err).__name__)
