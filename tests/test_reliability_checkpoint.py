@@ -122,7 +122,6 @@ def test_old_checkpoint_without_a_hash_is_read_through_the_unpickler(trainer_dat
     assert not marker.exists()
 
 
-@pytest.mark.slow
 def test_the_cli_prints_one_error_line_and_runs_nothing(trainer_data, copy, tmp_path):
     marker = tmp_path / "ran"
     plant(copy / "checkpoints" / "step-2", marker)
