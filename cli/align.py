@@ -14,6 +14,18 @@ from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.runtime.options import MIB
 
 
+def _table_pairs(ctx, param, pairs):
+    """--tables takes two files; a pair whose second item is an option means only one file was given."""
+    from csd_pipeline.errors import CsdError
+
+    for pair in pairs:
+        for item in pair:
+            if item.startswith("--"):
+                raise CsdError(f"--tables takes two files, S2T T2S, but got {pair[0]} followed by the option {item}; "
+                               "give both tables of the teacher (student->teacher, then teacher->student).")
+    return pairs
+
+
 @click.command()
 @config_option(AlignConfig, "corpus", "--corpus", type=click.Path())
 @config_option(AlignConfig, "student_tokenizer")
@@ -23,7 +35,7 @@ from csd_pipeline.runtime.options import MIB
 @config_option(AlignConfig, "max_student_tokens")
 @config_option(AlignConfig, "max_teacher_tokens")
 @config_option(AlignConfig, "context_token", "--no-context-token", invert=True)
-@config_option(AlignConfig, "tables", nargs=2, type=click.Path(dir_okay=False))
+@config_option(AlignConfig, "tables", nargs=2, type=click.Path(dir_okay=False), callback=_table_pairs)
 @config_option(AlignConfig, "text_field")
 @config_option(AlignConfig, "split")
 @config_option(AlignConfig, "split_on_blank_lines")
@@ -44,5 +56,21 @@ def align(workers, rank, world_size, quiet, **options):
     config = AlignConfig(**values_for(AlignConfig, options))
     log = None if quiet else (lambda message: click.echo(message, err=True))
     report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)
+    if report.complete:
+        _refuse_empty(config.output)
     if not quiet:
         echo_run_report(config.output, report)
+
+
+def _refuse_empty(output) -> None:
+    """End non-zero, even with --quiet, when the corpus gave no aligned row (every record rejected)."""
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.runtime.manifest import read_manifest
+
+    totals = read_manifest(output)["totals"]
+    if totals["rows"]:
+        return
+    rejected = totals.get("stats", {}).get("rejected_documents", {})
+    reasons = ", ".join(f"{reason}: {count}" for reason, count in sorted(rejected.items())) or "none read"
+    raise CsdError(f"{output} holds 0 aligned rows: no record of the corpus gave text ({reasons}); check --text-field, "
+                   "--mode and the corpus, then align into a new --output.")

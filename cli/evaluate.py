@@ -35,6 +35,13 @@ def bits_per_byte(aligned, model_arg, side, seq_len, batch_size, max_rows, devic
         which = int(side[len("teacher"):])
     else:
         raise CsdError(f"--side {side}: use `student` or `teacherN` (N = the teacher's index in the aligned folder)")
+    if which != "student":
+        from csd_pipeline.align.output import AlignedOutput
+
+        teachers = AlignedOutput.open(aligned).num_teachers
+        if which >= teachers:
+            raise CsdError(f"--side {side} is out of range: {aligned} aligns {teachers} teacher(s); pass "
+                           f"{' or '.join(f'teacher{i}' for i in range(teachers)) or 'student'}, or `student`")
     loaded = load_causal_lm(model_arg, dtype="float32" if device in ("auto", "cpu") else "auto", device=device,
                             trust_remote_code=trust_remote_code)
     loaded.model.eval()

@@ -82,6 +82,12 @@ def run_cli(command, argv=None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted; re-run the same command to resume", err=True)
         sys.exit(130)
+    except OSError as err:  # disk full, read-only output, ... that no stage turned into a CsdError
+        from csd_pipeline.runtime.io_errors import io_error_message
+
+        rerun = "run the same command again (align and teacher-logits resume where they stopped)"
+        click.echo(f"error: {io_error_message(err, rerun)}", err=True)
+        sys.exit(CsdError.exit_code)
 
 
 def main(argv=None) -> None:

@@ -54,11 +54,20 @@ def config_option(cls, name: str, *decls: str, unit: int | None = None, invert: 
     if meta.get("choices"):
         kwargs["type"] = click.Choice(list(meta["choices"]))
     if unit:
-        kwargs["callback"] = lambda ctx, param, value: int(value * unit)
+        kwargs["callback"] = lambda ctx, param, value: _in_unit(value, unit, flag[0])
     kwargs.update(click_kwargs)
     if kwargs.get("type") is None:
         kwargs.pop("type", None)
     return click.option(*flag, name, **kwargs)
+
+
+def _in_unit(value: float, unit: int, flag: str) -> int:
+    """`value` units as an int (bytes from MiB); a non-finite number is refused naming `flag`."""
+    import math
+
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{flag} {value} is not a finite number; pass e.g. {flag} 1.")
+    return int(value * unit)
 
 
 def placement_options(workers_help: str, who: str, who_plural: str):

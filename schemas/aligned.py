@@ -113,6 +113,8 @@ def aligned_schema(num_teachers: int):
         pa.field("window_index", pa.int32(), nullable=False),
         pa.field("byte_start", pa.int64(), nullable=False),
     ]
-    metadata = {b"csd.schema": b"aligned", b"csd.schema_version": str(SCHEMA_VERSION).encode()}
+    from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
+
+    metadata = {b"csd.schema": b"aligned", b"csd.schema_version": str(SCHEMA_VERSION).encode(), **PAGE_CHECKSUM_MARK}
     return pa.schema(fields, metadata=metadata)
 

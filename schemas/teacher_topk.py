@@ -69,9 +69,12 @@ class RowStatus(IntEnum):
 def teacher_topk_schema(k: int, encoding: str):
     """The Arrow schema (version 1) of a teacher top-k shard with `k` entries per position.
 
-    The schema metadata records the schema name and version, k and the encoding name.
+    The schema metadata records the schema name and version, k, the encoding name and that the
+    pages carry checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
+
+    from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
 
     fields = [
         pa.field("row_id", pa.string(), nullable=False),
@@ -85,5 +88,6 @@ def teacher_topk_schema(k: int, encoding: str):
         b"csd.schema_version": str(SCHEMA_VERSION).encode(),
         b"csd.k": str(k).encode(),
         b"csd.encoding": encoding.encode(),
+        **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)

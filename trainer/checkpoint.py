@@ -6,8 +6,12 @@ run counters; rank 0) and `ranks/rank-RRRRR.json` (each rank's data-loader state
 states). Everything is written into `step-N.tmp/`; after every rank has finished, rank 0 writes
 `complete.json` and renames the folder to `step-N/`. A failed write (disk full, ...) is agreed
 on by all ranks, the partial folder is removed and the previous checkpoints are left as they
-were. Only the latest `keep_last` complete checkpoints are kept. No pickle anywhere: DCP stores
-tensors, the rest is JSON.
+were. Only the latest `keep_last` complete checkpoints are kept.
+
+DCP itself pickles: its index `.metadata` is a pickle and the optimizer's non-tensor values are
+`torch.save` pickles. So `complete.json` records the sha256 of `.metadata`, and a checkpoint is
+only ever read through `trainer.checkpoint_guard` (hash check, then an unpickler that admits only
+DCP's own classes, then `weights_only=True` for every value); the rest is JSON.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import torch
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import atomic_write_text, replace_directory
-from trainer import distributed
+from trainer import checkpoint_guard, distributed
 
 CHECKPOINT_VERSION = 1
 COMPLETE_FILE = "complete.json"
+CRASH_ENV = "CSD_TEST_CRASH"  # tests: "checkpoint_<point>:<step>" SIGKILLs this process at that point
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -86,6 +91,7 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
     and older checkpoints stay intact.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = checkpoint_root(output)
@@ -112,19 +118,37 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
     try:
         model_state, optim_state = get_state_dict(wrapper, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    except Exception as err:  # DCP raises CheckpointException on every rank when one rank fails
+        _maybe_crash("checkpoint_written", step)
+    except (Exception, CheckpointException) as err:  # CheckpointException (every rank) is a BaseException
         failure = err
     if distributed.agree_any(failure is not None, ctx.device):
         _discard(tmp, ctx)
         raise CsdError(_failure_message(final, failure, output))
     distributed.barrier()
     if ctx.is_main:
-        _write_json(tmp / COMPLETE_FILE, {"version": CHECKPOINT_VERSION, "step": step, "world": ctx.world})
-        replace_directory(tmp, final)  # a resumed run re-saving a step: the new one replaces it
+        try:
+            _write_json(tmp / COMPLETE_FILE, {"version": CHECKPOINT_VERSION, "step": step, "world": ctx.world,
+                                              checkpoint_guard.HASH_KEY: checkpoint_guard.metadata_sha256(tmp)})
+            _maybe_crash("checkpoint_complete", step)
+            replace_directory(tmp, final)  # a resumed run re-saving a step: the new one replaces it
+        except OSError as err:
+            failure = err
+    if distributed.agree_any(failure is not None, ctx.device):
+        _discard(tmp, ctx)
+        raise CsdError(_failure_message(final, failure, output))
+    if ctx.is_main:
         for _, old in complete_checkpoints(output)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def _maybe_crash(point: str, step: int) -> None:
+    # Test hook: CSD_TEST_CRASH="checkpoint_written:4" kills this process once step 4's DCP files are written.
+    if os.environ.get(CRASH_ENV) == f"{point}:{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _discard(tmp: Path, ctx) -> None:
@@ -134,10 +158,14 @@ def _discard(tmp: Path, ctx) -> None:
 
 
 def _failure_message(final: Path, failure, output) -> str:
-    reason = str(failure).splitlines()[0] if failure is not None else "another rank failed"
+    reason = checkpoint_guard.first_failure(failure) if failure is not None else "another rank failed"
     previous = complete_checkpoints(output)
     kept = f"the previous checkpoint {previous[-1][1].name} is intact" if previous else "no earlier checkpoint exists"
-    return (f"writing checkpoint {final} failed ({reason}); {kept}; free space or fix the output "
+    try:  # DCP reports a full disk as e.g. "RuntimeError: unexpected pos": say how much space is left
+        free = f"; {shutil.disk_usage(final.parent).free >> 20} MiB free there"
+    except OSError:
+        free = ""
+    return (f"writing checkpoint {final} failed ({reason}{free}); {kept}; free space or fix the output "
             f"directory and re-run with --resume")
 
 
@@ -145,9 +173,9 @@ def load_checkpoint(output, wrapper, optimizer, ctx) -> ResumeState | None:
     """Restore the latest complete checkpoint into `wrapper` and `optimizer` (collective).
 
     Returns None when there is none. Raises `CsdError` when it was written by a different number
-    of ranks (each rank's data position would be wrong) or is unreadable.
+    of ranks (each rank's data position would be wrong), is unreadable, or fails the checks of
+    `trainer.checkpoint_guard` (nothing of it is unpickled before they pass).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     found = complete_checkpoints(output)
@@ -165,11 +193,13 @@ def load_checkpoint(output, wrapper, optimizer, ctx) -> ResumeState | None:
                 f"resume with --nproc-per-node/--nnodes giving {trainer.get('world')} ranks"
             )
         rank_state = json.loads(rank_file.read_text(encoding="utf-8"))
+        complete = json.loads((path / COMPLETE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise CsdError(f"checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one") from None
+    metadata = checkpoint_guard.read_checked_metadata(path, complete if isinstance(complete, dict) else {})
     model_state, optim_state = get_state_dict(wrapper, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    checkpoint_guard.guarded_load(state, path, metadata)
     set_state_dict(wrapper, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     set_rng_state(rank_state["rng"], ctx.device)
     return ResumeState(step=int(trainer["step"]), trainer=trainer, loader_state=rank_state["loader"], path=path)

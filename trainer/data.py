@@ -67,6 +67,8 @@ class TrainingData:
             raise CsdError(f"aligned directory {aligned.directory} holds no rows; align a non-empty corpus with "
                            f"`{ALIGN_RERUN}`")
         teachers = _open_teachers(config, aligned) if config.loss.uses_teachers else []
+        for teacher in teachers:
+            aligned.tables(teacher.index)  # every table matches the aligned tokenizers, before training starts
         return cls(config, aligned, bundle, tokenizer_source, teachers)
 
     def loader(self, rank: int, world: int, state: dict | None):
@@ -103,8 +105,8 @@ def _open_teachers(config, aligned: AlignedOutput) -> list[TeacherSource]:
     by_index: dict[int, TeacherTopkOutput] = {}
     for directory in config.data.teacher_logits:
         output = TeacherTopkOutput.open(Path(directory))
+        output.verify()  # its own consistency first: then a mismatch below is between the stages
         output.check_pairs_with(aligned)
-        output.verify()
         index = output.teacher_index
         if index in by_index:
             raise CsdError(f"--teacher-logits {by_index[index].directory} and {output.directory} are both teacher "
@@ -119,8 +121,17 @@ def _open_teachers(config, aligned: AlignedOutput) -> list[TeacherSource]:
             raise CsdError(f"--kd-teachers names teacher {index} but no --teacher-logits directory holds it "
                            f"(given: {sorted(by_index)}); add its directory or drop it from --kd-teachers")
         if weight > 0:
+            _check_top_k(config.loss.teacher_top_k, by_index[index])
             teachers.append(TeacherSource(index, by_index[index], weight))
     return teachers
+
+
+def _check_top_k(wanted: int, output: TeacherTopkOutput) -> None:
+    """`--teacher-top-k` may not ask for more entries than the teacher output stores."""
+    stored = (output.manifest.get("config") or {}).get("top_k")
+    if wanted and stored is not None and wanted > int(stored):
+        raise CsdError(f"--teacher-top-k {wanted} is more than the {stored} entries per position stored in "
+                       f"{output.directory}; pass at most {stored} (0: all), or re-run `{TEACHER_RERUN}` with --top-k {wanted}")
 
 
 def _check_state(state: dict | None) -> dict:

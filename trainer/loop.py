@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.executor import check_output_dir
 from schemas.aligned import SHAPES
 from trainer import checkpoint, distributed
 from trainer.config import LossConfig, OptimizerConfig, TrainConfig, check_resume_compatible, write_resolved
@@ -68,6 +69,7 @@ def _prepare_output(config: TrainConfig, ctx) -> None:
         from trainer.options import load_yaml
 
         check_resume_compatible(config, load_yaml(str(saved)), str(out))
+    check_output_dir(out)  # every rank: the same verdict (writable?), before any rank waits on another
     distributed.barrier()
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)

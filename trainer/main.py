@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> None:
         print("interrupted; re-run the same command with --resume to continue from the last checkpoint",
               file=sys.stderr)
         sys.exit(130)
+    except OSError as err:  # disk full, read-only output, ... outside the checkpoint writer's own handling
+        from csd_pipeline.runtime.io_errors import io_error_message
+
+        print(f"error: {io_error_message(err, 're-run the same command with --resume')}", file=sys.stderr)
+        sys.exit(CsdError.exit_code)
     last = summary.get("last") or {}
     if last:
         print(f"done: step {summary['step']}, loss {last.get('loss', float('nan')):.4f}, "

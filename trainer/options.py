@@ -123,7 +123,11 @@ def _apply_command_line(tokens: list[str], values: dict) -> None:
             negated = raw.startswith("no-") and raw[3:].replace("-", "_") in OPTIONS
             name = known(raw[3:] if negated else raw, "the command line")
             hint = OPTIONS[name].hint
-            if hint is bool and not has_value:
+            if hint is bool and not has_value and not negated and i + 1 < len(tokens) and tokens[i + 1].lower() in (
+                    "true", "false", "yes", "no", "on", "off", "1", "0"):  # `--progress false`
+                values[name] = coerce(name, tokens[i + 1], f"--{flag(name)}")
+                i += 1
+            elif hint is bool and not has_value:
                 values[name] = not negated
             else:
                 if negated:

@@ -80,10 +80,10 @@ class AlignConfig:
                 f"--tables was given {len(self.tables)} times for {len(self.teacher_tokenizers)} teachers; give one "
                 "S2T T2S pair per --teacher-tokenizer, in the same order, or none to build them."
             )
-        if self.shard_bytes < 1:
-            raise CsdError("--shard-mb must be positive.")
-        if self.batch_bytes < 1:
-            raise CsdError("--batch-mb must be positive.")
+        for size, flag in ((self.shard_bytes, "--shard-mb"), (self.batch_bytes, "--batch-mb")):
+            if size < 1:
+                raise CsdError(f"{flag} {size / MIB:g} is not a positive size; pass a number of MiB above 0 "
+                               f"(e.g. {flag} 1).")
         chat_options(self)
 
     def teacher_limits(self) -> list[int]:

@@ -76,12 +76,10 @@ class AlignedOutput:
         return self.directory / shard.file
 
     def verify(self) -> None:
-        """Raise `CsdError` unless every shard exists with the size its manifest records."""
-        from csd_pipeline.runtime.manifest import verify_shards
+        """Raise `CsdError` unless every shard exists with the size and row count its manifest records."""
+        from csd_pipeline.runtime.integrity import check_shards
 
-        problems = verify_shards(self.manifest, self.directory)
-        if problems:
-            raise CsdError(f"aligned directory {self.directory}: {problems[0]}; re-run `{ALIGN_RERUN}` into it")
+        check_shards(self.manifest, self.directory, "aligned directory", ALIGN_RERUN)
 
     def manifest_sha256(self) -> str:
         """sha256 of `DIR/manifest.json` (what a teacher-logits output records of the aligned data)."""
@@ -155,18 +153,12 @@ class AlignedOutput:
         return TeacherTokenizer(index, record.get("fingerprint"), int(size), record.get("name"))
 
     def tables(self, index: int) -> tuple[Path, Path]:
-        """(student->teacher, teacher->student) table paths of teacher `index`, checked to exist."""
-        tables = self.manifest.get("tables")
-        entries = [t for t in tables if isinstance(t, dict) and t.get("teacher") == index] if isinstance(tables, list) else []
-        entry = entries[0] if entries else {}
-        if "student_to_teacher" not in entry or "teacher_to_student" not in entry:
-            raise CsdError(f"aligned manifest of {self.directory} lists no tables for teacher {index}; "
-                           f"re-run `{ALIGN_RERUN}`")
-        paths = (self.directory / entry["student_to_teacher"], self.directory / entry["teacher_to_student"])
-        for path in paths:
-            if not path.is_file():
-                raise CsdError(f"table {path} listed by the aligned manifest is missing; re-run `{ALIGN_RERUN}`")
-        return paths
+        """(student->teacher, teacher->student) table paths of teacher `index`, checked to lie inside the
+        directory, to exist and to be made for the tokenizers the manifest records (a swapped table
+        names the align stage)."""
+        from csd_pipeline.runtime.integrity import check_table_fingerprints
+
+        return check_table_fingerprints(self.manifest, self.directory, index)
 
     # -- stats ----------------------------------------------------------------------------
 
@@ -218,20 +210,21 @@ class AlignedOutput:
         return columns
 
     def read(self, shard: AlignedShard, columns: list[str]):
-        """The `columns` of one shard as a pyarrow Table. Raises `CsdError` for a missing column or an
-        unreadable file."""
+        """The `columns` of one shard as a pyarrow Table, its bytes read once and checked against the
+        manifest's sha256, its page checksums verified (csd_pipeline/runtime/integrity.py). Raises
+        `CsdError` for a missing column or an unreadable or damaged file."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
+
+        from csd_pipeline.runtime.integrity import damaged_read, open_verified
 
         path = self.shard_path(shard)
-        try:
-            parquet = pq.ParquetFile(str(path))
-            missing = [name for name in columns if name not in parquet.schema_arrow.names]
-            if not missing:
+        parquet = open_verified(path, shard.sha256, STAGE)
+        missing = [name for name in columns if name not in parquet.schema_arrow.names]
+        if not missing:
+            try:
                 return parquet.read(columns=columns)
-        except (OSError, pa.ArrowInvalid) as err:
-            raise CsdError(f"cannot read aligned shard {path} ({str(err).splitlines()[0]}); "
-                           f"re-run `{ALIGN_RERUN}`") from None
+            except (OSError, KeyError, pa.ArrowInvalid) as err:
+                raise damaged_read(path, STAGE, err) from None
         raise CsdError(f"aligned shard {path} has no column {missing[0]}: {self.directory} aligns {self.num_teachers} "
                        f"teacher(s); pass a teacher index it has, or re-run `{ALIGN_RERUN}` with that teacher.")
 

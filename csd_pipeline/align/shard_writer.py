@@ -122,13 +122,15 @@ def write_shard(segments: list[dict], tmp_path: Path, aligner, config, *, whole_
 
     from csd_pipeline.align.corpus import ReadOptions
     from csd_pipeline.runtime.executor import ShardResult
+    from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS
 
     options = ReadOptions(config.text_field, config.split_on_blank_lines, whole_record=whole_record)
     stats = aligner.new_stats()
     rows = 0
     pending: list = []  # aligned tables not yet written: fewer than ROW_GROUP_ROWS rows in all
     with pq.ParquetWriter(str(tmp_path), aligned_schema(len(aligner.teachers)), compression="zstd",
-                          compression_level=COMPRESSION_LEVEL, write_statistics=False, store_schema=True) as writer:
+                          compression_level=COMPRESSION_LEVEL, write_statistics=False, store_schema=True,
+                          **PARQUET_CHECKSUMS) as writer:
         for table in _aligned_batches(_documents(segments, options, stats), aligner, stats, config.batch_bytes):
             rows += len(table)
             pending.append(table)

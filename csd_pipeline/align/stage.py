@@ -117,7 +117,6 @@ class AlignStage(Stage):
                 self._prepare_table(i, teacher, position, log)
 
     def _prepare_table(self, i: int, teacher, position: int, log) -> None:
-        from csd_pipeline.runtime.files import atomic_copy
         from csd_pipeline.vocab.tables import build_table, read_table_fingerprints
 
         config, student = self.config, self.tokenizers.student
@@ -135,13 +134,32 @@ class AlignStage(Stage):
                     f"table {given} does not match the tokenizers of teacher {i} ({direction} expected: "
                     f"{names[position]} -> {names[1 - position]}); pass the right tables or omit --tables to build them."
                 )
-            atomic_copy(given, target)
+            _copy_table(given, target)
         else:
             log(f"building table {TABLE_NAMES[position]} for teacher {i}...")
             build_table(source, destination).save(target)
 
+    def check_recorded(self, tasks: list[ShardTask]) -> None:
+        """An edited DIR/run.json may not name shards outside DIR or read files that are not --corpus files."""
+        from csd_pipeline.runtime.safe_paths import check_recorded_tasks
+
+        check_recorded_tasks(tasks, {f.path for f in self.files}, self.output_dir)
+
     def shard_writer(self) -> AlignShardWriter:
         return AlignShardWriter(self.config, self.chat, self.tokenizers)
+
+
+def _copy_table(given, target: Path) -> None:
+    """Copy a --tables file into DIR atomically; a failed copy (disk full) leaves nothing and is one line."""
+    from csd_pipeline.runtime.files import atomic_copy
+    from csd_pipeline.runtime.io_errors import reason_and_advice
+
+    try:
+        atomic_copy(given, target)
+    except OSError as err:
+        reason, advice = reason_and_advice(err)
+        raise CsdError(f"copying table {given} into {target.parent} failed ({reason}); {advice}, then re-run the "
+                       "same command (it resumes)") from None
 
 
 def _tokenizer_record(bundle, arg: str) -> dict:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import atomic_write_json, commit, file_sha256, remove_tmp_files, tmp_path
+from csd_pipeline.runtime.io_errors import discard, reason_and_advice
+from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
 from csd_pipeline.runtime.manifest import MANIFEST_NAME
 from csd_pipeline.runtime.run_record import (
     check_identity,
@@ -140,8 +142,9 @@ class Stage:
     - `shard_writer()`: a picklable callable `(task, tmp_path) -> ShardResult` that writes one
       shard; each worker process gets a copy;
     - optionally `manifest_extra()` (more manifest keys that do not decide identity; recorded in
-      run.json, so they must not change between re-runs) and `prepare(log)` (runs once the run
-      is recorded, before any shard).
+      run.json, so they must not change between re-runs), `prepare(log)` (runs once the run
+      is recorded, before any shard) and `check_recorded(tasks)` (refuses the tasks of an edited
+      run.json before a shard is written).
     """
 
     name: str
@@ -162,6 +165,9 @@ class Stage:
         return {}
 
     def prepare(self, log: Callable[[str], None]) -> None:
+        return None
+
+    def check_recorded(self, tasks: list[ShardTask]) -> None:
         return None
 
 
@@ -190,8 +196,9 @@ def check_output_dir(out: Path) -> None:
         probe = tmp_path(out / ".write-probe")
         probe.write_bytes(b"")
         probe.unlink()
-    except OSError as err:
-        raise CsdError(f"--output {out} is not writable ({err.strerror or err}); pass a directory you can write to.") from None
+    except OSError as err:  # a read-only disk, a path under a file, no permission
+        reason, advice = reason_and_advice(err)
+        raise CsdError(f"--output {out} is not writable ({reason}); {advice}") from None
 
 
 def run_stage(stage: Stage, placement: Placement | None = None, *,
@@ -214,6 +221,7 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
         tasks = stage.plan(world_size, log)
     else:
         tasks = [ShardTask.from_json(task) for task in recorded]
+        stage.check_recorded(tasks)
     record = run_record(stage.name, stage.schema_version, identity, stage.manifest_extra(), stage.suffix, tasks)
     record_run(out, record)
     stage.prepare(log)
@@ -227,6 +235,7 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
     if skipped:
         log(f"rank {rank}: {len(skipped)} of {len(mine)} shards already complete, resuming.")
     remove_tmp_files(out, [f"{t.name}{stage.suffix}" for t in pending])
+    remove_dead_writers_tmp(out)  # markers, stats, run.json, manifest of killed writers on this host
     workers = max(1, min(placement.workers, len(pending)))
     if pending and workers == 1:
         writer = stage.shard_writer()
@@ -262,8 +271,12 @@ def _write_shard(writer, task: ShardTask, out: Path, suffix: str) -> dict:
     _shards_started += 1
     final = out / f"{task.name}{suffix}"
     tmp = tmp_path(final)
-    result = writer(task, tmp)
-    _maybe_crash("before_rename")
+    try:
+        result = writer(task, tmp)
+        _maybe_crash("before_rename")
+    except BaseException:
+        discard(tmp)  # a failed shard (disk full, bad input) leaves no partial file
+        raise
     marker = {
         "name": task.name,
         "index": task.index,
@@ -303,9 +316,13 @@ def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: P
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                  initargs=(stage.shard_writer(),)) as pool:
             futures = [pool.submit(_worker_write_shard, task, out, stage.suffix) for task in pending]
-            for future in as_completed(futures):
-                marker = future.result()
-                log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+            try:
+                for future in as_completed(futures):
+                    marker = future.result()
+                    log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # one shard failed: start no other
+                raise
     except BrokenProcessPool:
         raise CsdError(
             f"a worker process of rank {rank} died (killed or out of memory) while writing {out}; "

@@ -45,7 +45,7 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
     the caller can read (an iterable of ints; None accepts any).
     Returns the manifest as a dict. Raises `ManifestError` (one sentence naming the directory and
     the stage to re-run) when the directory or manifest is missing, unreadable, from another stage
-    or of an unknown version.
+    or of an unknown version, and `CsdError` when a file it names lies outside the directory.
     """
     directory = Path(directory)
     path = directory / MANIFEST_NAME
@@ -78,6 +78,9 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
             f"which this csd-pipeline cannot read (it reads {sorted(set(schema_versions))}); "
             f"{_rerun_hint(manifest.get('stage'))}."
         )
+    from csd_pipeline.runtime.safe_paths import check_manifest_paths
+
+    check_manifest_paths(manifest, directory, f"{_rerun_hint(manifest.get('stage'))} into a new --output")
     return manifest
 
 

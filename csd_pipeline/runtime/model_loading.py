@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,6 +249,12 @@ def load_causal_lm(arg: str, *, dtype: str = "auto", device: str = "auto",
     except OSError as err:
         message = str(err).splitlines()[0] if str(err) else err.__class__.__name__
         raise CsdError(f"model {arg}: cannot read it ({message}); check the folder or file.") from None
+    except pickle.UnpicklingError as err:  # torch.load(weights_only=True) refused a pickled weight file
+        lines = [line for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        detail = (lines or [str(err).splitlines()[0] if str(err) else "not plain tensors"])[0].strip()
+        raise CsdError(f"model {arg}: a pickled weight file (.bin/.pt) holds more than tensors, and loading it could "
+                       f"run code, so it is refused ({detail[:200]}); use .safetensors weights, or convert the file "
+                       "from a copy you trust.") from None
     finally:
         if previous is None:
             os.environ.pop("TQDM_DISABLE", None)

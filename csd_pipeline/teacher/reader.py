@@ -44,19 +44,24 @@ class TeacherShard(Sequence):
     Indexing decodes the row's whole block (one LZMA stream). Decoded blocks are kept, least
     recently used first out, while they fit in `cache_bytes` (the last one is always kept), so that
     reading the rows of a shard in a shuffled order decodes each block about once instead of once
-    per row. Raises CsdError when the file is not a teacher top-k shard of a known encoding."""
+    per row. Raises CsdError when the file is not a teacher top-k shard of a known encoding.
 
-    def __init__(self, path, cache_bytes: int = 0):
+    Page checksums are verified on every read; a shard written before they existed is checked
+    against `sha256` (its manifest's) once, here, when given (csd_pipeline/runtime/integrity.py)."""
+
+    def __init__(self, path, cache_bytes: int = 0, sha256: str | None = None):
         import pyarrow.parquet as pq
 
+        from csd_pipeline.runtime.integrity import verify_unmarked
         from csd_pipeline.teacher.codec import ENCODING
         from schemas.teacher_topk import SCHEMA_VERSION
 
         self.path = Path(path)
         try:
-            self._file = pq.ParquetFile(str(self.path))
+            self._file = pq.ParquetFile(str(self.path), page_checksum_verification=True)
         except (OSError, ValueError) as err:
             raise CsdError(f"teacher shard {self.path} is missing or unreadable ({err}); re-run teacher-logits.") from None
+        verify_unmarked(self._file, self.path, sha256, "teacher-logits")
         metadata = self._file.schema_arrow.metadata or {}
         if metadata.get(b"csd.schema") != b"teacher_topk":
             raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
@@ -66,7 +71,7 @@ class TeacherShard(Sequence):
             raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
                            f"csd-pipeline reads version {SCHEMA_VERSION} / {ENCODING}; re-run teacher-logits.")
         self.k = int(metadata[b"csd.k"])
-        table = self._file.read(columns=["row_id", "status", "positions", "block"])
+        table = self._read(lambda: self._file.read(columns=["row_id", "status", "positions", "block"]))
         self.row_ids = table.column("row_id").to_pylist()
         self.status = table.column("status").to_numpy()
         self.positions = table.column("positions").to_numpy().astype(np.int64)
@@ -93,7 +98,7 @@ class TeacherShard(Sequence):
             self._cached.move_to_end(block)
             return self._cached[block]
         first, last = self._block_rows[block]
-        payload = self._file.read_row_group(block, columns=["payload"]).column("payload")[0].as_py()
+        payload = self._read(lambda: self._file.read_row_group(block, columns=["payload"])).column("payload")[0].as_py()
         if payload is None:
             raise CsdError(f"teacher shard {self.path}: block {block} has no payload; the file is corrupt, re-run "
                            "teacher-logits.")
@@ -116,6 +121,17 @@ class TeacherShard(Sequence):
         while len(self._cached) > 1 and sum(map(self._block_bytes, self._cached)) > self.cache_bytes:
             self._cached.popitem(last=False)
         return rows
+
+    def _read(self, read):
+        """`read()`, with a failed page checksum or decode turned into a one-line `CsdError`."""
+        import pyarrow as pa
+
+        from csd_pipeline.runtime.integrity import damaged_read
+
+        try:
+            return read()
+        except (OSError, pa.ArrowInvalid) as err:
+            raise damaged_read(self.path, "teacher-logits", err) from None
 
     def _block_bytes(self, block: int) -> int:
         """Decoded size of a block: int32 ids and float32 log-probs per entry, a float32 observed log-prob."""
@@ -162,11 +178,9 @@ class TeacherTopkOutput:
 
     def verify(self) -> None:
         """Raise `CsdError` unless every shard exists with the size its manifest records."""
-        from csd_pipeline.runtime.manifest import verify_shards
+        from csd_pipeline.runtime.integrity import check_shards
 
-        problems = verify_shards(self.manifest, self.directory)
-        if problems:
-            raise CsdError(f"teacher top-k directory {self.directory}: {problems[0]}; re-run `{TEACHER_RERUN}` into it")
+        check_shards(self.manifest, self.directory, "teacher top-k directory", TEACHER_RERUN)
 
     def check_pairs_with(self, aligned) -> None:
         """Raise `CsdError` unless this output was computed from the `AlignedOutput` `aligned`: the
@@ -185,8 +199,10 @@ class TeacherTopkOutput:
                            f"re-run `{TEACHER_RERUN} --aligned {aligned.directory}`")
 
     def shard(self, index: int, cache_bytes: int = 0) -> TeacherShard:
-        """Shard `index` (manifest order), keeping up to `cache_bytes` of decoded blocks."""
-        return TeacherShard(self.directory / self.shard_files[index], cache_bytes)
+        """Shard `index` (manifest order), keeping up to `cache_bytes` of decoded blocks; a shard without
+        page checksums is checked against its manifest sha256 when opened."""
+        return TeacherShard(self.directory / self.shard_files[index], cache_bytes,
+                            self.manifest["shards"][index].get("sha256"))
 
     def rows(self) -> Iterator[TeacherTopkRow]:
         """Every row, shard by shard in manifest order, rows in aligned order."""
@@ -194,10 +210,10 @@ class TeacherTopkOutput:
             yield from self.shard(index)
 
 
-def read_teacher_shard(directory, shard_file, cache_bytes: int = 0) -> TeacherShard:
+def read_teacher_shard(directory, shard_file, cache_bytes: int = 0, sha256: str | None = None) -> TeacherShard:
     """One shard of a teacher-logits output (`shard_file` as listed in its manifest), as a `TeacherShard`
-    keeping up to `cache_bytes` of decoded blocks."""
-    return TeacherShard(Path(directory) / shard_file, cache_bytes)
+    keeping up to `cache_bytes` of decoded blocks (`sha256`: its manifest's, checked if it has no page checksums)."""
+    return TeacherShard(Path(directory) / shard_file, cache_bytes, sha256)
 
 
 def read_teacher_topk(directory) -> Iterator[TeacherTopkRow]:

@@ -98,8 +98,10 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
         }, schema=schema), row_group_size=count)
 
     try:
+        from csd_pipeline.runtime.integrity import PARQUET_CHECKSUMS
+
         with pq.ParquetWriter(str(tmp_path), schema, compression=compression, use_dictionary=False,
-                              write_statistics=False, store_schema=True) as writer:
+                              write_statistics=False, store_schema=True, **PARQUET_CHECKSUMS) as writer:
             for block, (start, end) in enumerate(block_ranges([len(r) for r in rows], block_positions)):
                 results = runner.run(rows[start:end])
                 job = (encode_rows, results, rows[start:end], runner.top_k)

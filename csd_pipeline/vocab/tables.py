@@ -128,8 +128,11 @@ class SubtokenTable:
         try:
             with atomic_path(path) as tmp:
                 save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
-        except OSError as err:
-            raise CsdError(f"table output {path}: cannot write it ({err.strerror}); check the path and free space") from None
+        except Exception as err:  # OSError, or safetensors' own SafetensorError for the same I/O failures
+            from csd_pipeline.runtime.io_errors import reason_and_advice
+
+            reason, advice = reason_and_advice(err)
+            raise CsdError(f"table output {path}: cannot write it ({reason}); {advice}, then run the command again") from None
 
 
 def _payload_hash(tensors: dict[str, np.ndarray]) -> str:

@@ -6,6 +6,7 @@ import os
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
+from stat import S_ISREG
 
 from csd_pipeline.align.corpus import compressed, files, hf
 from csd_pipeline.align.corpus.documents import CorpusFile, Document, ReadOptions
@@ -30,8 +31,9 @@ def discover(paths, split: str | None = None) -> list[CorpusFile]:
     An argument is a file, a folder (walked recursively, sorted, hidden entries skipped; a
     save_to_disk folder inside it is one input), a save_to_disk folder, or `hf:NAME[:CONFIG]`.
     `split` picks the split of DatasetDict folders and named datasets (needed when they have several).
-    Raises `CsdError` for a path that does not exist, an unsupported file, a folder without any
-    input, a missing split, or a dataset that does not load.
+    Raises `CsdError` for a path that does not exist, an unsupported file or one that is not a
+    regular file (a FIFO would block), a folder without any input, a missing split, or a dataset
+    that does not load.
     """
     if not paths:
         raise CsdError(f"no corpus given; pass at least one --corpus ({ACCEPTED}).")
@@ -106,6 +108,9 @@ def _add_file(found: dict, path: Path, source: str) -> None:
     if resolved in found:
         return
     stat = path.stat()
+    if not S_ISREG(stat.st_mode):  # a FIFO or device would block the planner or never end
+        raise CsdError(f"corpus path {source} is not a regular file (a pipe, socket or device); save the text to a "
+                       "file and pass that.")
     fmt, compression = file_format(path.name)
     found[resolved] = CorpusFile(resolved, source, fmt, stat.st_size, stat.st_mtime_ns, compression)
 
