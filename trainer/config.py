@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
 
-LOSSES = ("csd", "ce", "csd_1to1")
+LOSSES = ("csd", "ce", "csd_1to1", "uld", "gold", "strict")
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 SPELLINGS = ("sum", "exclude")
-KD_SCALES = ("dynamic", "fixed")
+KD_SCALES = ("dynamic", "fixed", "ratio")
+TEACHER_CONTROLS = ("none", "shuffled")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -30,6 +31,7 @@ TRAJECTORY_KEYS = (
     "batch_size", "grad_accum", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1",
     "adam_beta2", "adam_eps", "grad_clip", "seed", "loss", "divergence", "beta", "kd_scale", "kd_weight", "kd_teachers",
     "teacher_temperature", "spelling", "teacher_top_k", "shuffle_block", "dtype",
+    "gold_matched_weight", "strict_top_k", "strict_divergence", "teacher_control",
 )
 
 
@@ -71,11 +73,12 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "gradient-norm clip (0: off)")
     seed: int = _opt(0, "seed of the initialisation and the data order")
     # loss
-    loss: str = _opt("csd", "csd (default), ce (no KD) or csd_1to1 (only 1:1 chunks)", choices=LOSSES)
+    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), or a baseline: uld, gold, "
+                            "strict (docs/TRAINING.md)", choices=LOSSES)
     divergence: str = _opt("jsd", "jsd, kl or reverse_kl", choices=DIVERGENCES)
     beta: float = _opt(5.0, "weight of the non-1:1 chunks in the KD term")
-    kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD",
-                         choices=KD_SCALES)
+    kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
+                                    "ratio: L = (1-w)*CE + w*KD", choices=KD_SCALES)
     kd_weight: float = _opt(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)")
     teacher_temperature: float = _opt(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
                                            "P^(1/T), renormalised (1: the paper's)")
@@ -83,6 +86,13 @@ class TrainConfig:
                          choices=SPELLINGS)
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
                                  "(0: all); compares top-k sizes without re-running the teacher")
+    gold_matched_weight: float | None = _opt(None, "--loss gold: weight of the direct term on shared spellings "
+                                                   "(the sorted term gets 1 - w); default: TRL's adaptive weight")
+    strict_top_k: int = _opt(0, "--loss strict: keep the student's N most likely shared spellings (0: all)")
+    strict_divergence: str = _opt("reverse_kl", "--loss strict: jsd, kl or reverse_kl (CT-OPD's)",
+                                  choices=DIVERGENCES)
+    teacher_control: str = _opt("none", "shuffled: give each stored teacher row to another position of the batch "
+                                        "(a control arm; any loss)", choices=TEACHER_CONTROLS)
     loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
     # checkpoints
     save_every: int = _opt(500, "checkpoint every N steps (0: only at the end)")
@@ -123,7 +133,8 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise CsdError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "save_every", "eval_every", "export_every", "stop_at_step",
-                     "eval_max_rows", "workers", "loss_chunk_size", "teacher_top_k", "teacher_cache_mb"):
+                     "eval_max_rows", "workers", "loss_chunk_size", "teacher_top_k", "teacher_cache_mb",
+                     "strict_top_k"):
             if getattr(self, name) < 0:
                 raise CsdError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
         if self.seq_len < 2:
@@ -136,6 +147,12 @@ class TrainConfig:
         if any(getattr(self, n) < 0 for n in nonnegative):
             bad = next(n for n in nonnegative if getattr(self, n) < 0)
             raise CsdError(f"--{_flag(bad)} must be 0 or more, got {getattr(self, bad)}")
+        if self.kd_scale == "ratio" and self.kd_weight > 1:
+            raise CsdError(f"--kd-weight must be within [0, 1] with --kd-scale ratio, got {self.kd_weight}")
+        if self.gold_matched_weight is not None and not 0 <= self.gold_matched_weight <= 1:
+            raise CsdError(f"--gold-matched-weight must be within [0, 1], got {self.gold_matched_weight}")
+        if self.loss in ("uld", "gold", "strict") and self.teacher_temperature != 1:
+            raise CsdError(f"--teacher-temperature applies to the csd losses only; leave it at 1 with --loss {self.loss}")
         if not (self.teacher_temperature > 0 and math.isfinite(self.teacher_temperature)):
             raise CsdError(f"--teacher-temperature must be a positive number, got {self.teacher_temperature}")
         for name in ("adam_beta1", "adam_beta2"):

@@ -162,9 +162,10 @@ class TrainingData:
             teacher_indices=[t.index for t in self.teachers], tables=self.tables_for_teachers(),
             seed=self.config.seed, shuffle_block=self.config.shuffle_block, seq_len=self.config.seq_len,
             batch_size=self.config.batch_size, spelling=self.config.spelling,
-            only_1to1=self.config.loss == "csd_1to1", rank=rank, world=world, epoch=state["epoch"],
+            only_1to1=self.config.loss in ("csd_1to1", "strict"), rank=rank, world=world, epoch=state["epoch"],
             position=state["position"], pad_id=self.pad_id(), teacher_top_k=self.config.teacher_top_k,
-            teacher_cache_bytes=self.config.teacher_cache_mb << 20,
+            teacher_cache_bytes=self.config.teacher_cache_mb << 20, loss=self.config.loss,
+            teacher_control=self.config.teacher_control,
         )
         return BatchLoader(spec, self.config.workers)
 
@@ -255,6 +256,8 @@ class LoaderSpec:
     pad_id: int
     teacher_top_k: int = 0
     teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
+    loss: str = "csd"             # uld, gold, strict: per-chunk rows (ChunkRows) instead of CSD events
+    teacher_control: str = "none"  # shuffled: the batch's teacher rows given to other positions
 
 
 @dataclass
@@ -390,18 +393,30 @@ class _BatchBuilder:
         offsets = packed.flat_offsets
         ce_positions, ce_tokens = ce_targets([w.columns["student_ids"] for w in windows],
                                              [w.columns["student_loss_mask"] for w in windows], offsets)
+        from csd_pipeline.loss import teacher_rows as baseline_rows
+
+        baseline = spec.loss in baseline_rows.BASELINE_LOSSES
         teachers, shapes = [], []
         for t, index in enumerate(spec.teacher_indices):
             context = self.contexts()[t]
+            topks = [self.teacher_row(t, w.shard, w.row) for w in windows]
+            if spec.teacher_control == "shuffled":  # the same stored rows, at other positions of the batch
+                first = windows[0].state_after
+                rng = np.random.default_rng([spec.seed, spec.rank, t, first["epoch"], first["position"]])
+                topks = baseline_rows.shuffle_teacher_rows(topks, rng)
             rows = []
-            for w in windows:
-                topk = self.teacher_row(t, w.shard, w.row)
+            for w, topk in zip(windows, topks, strict=True):
                 if not topk.ok:  # a rejected teacher row (non-finite values): CE only, counted
-                    rows.append(empty_events({"teacher_rows_rejected": 1}))
-                    continue
-                rows.append(build_row_events(w.columns, index, topk, context, spelling=spec.spelling,
-                                             only_1to1=spec.only_1to1, source=spec.shard_files[w.shard]))
-            events = collate_events(rows, offsets)
+                    rows.append(baseline_rows.empty_chunk_rows(context, {"teacher_rows_rejected": 1}) if baseline
+                                else empty_events({"teacher_rows_rejected": 1}))
+                elif baseline:
+                    rows.append(baseline_rows.build_row_chunks(w.columns, index, topk, context,
+                                                               only_1to1=spec.only_1to1,
+                                                               source=spec.shard_files[w.shard]))
+                else:
+                    rows.append(build_row_events(w.columns, index, topk, context, spelling=spec.spelling,
+                                                 only_1to1=spec.only_1to1, source=spec.shard_files[w.shard]))
+            events = (baseline_rows.collate_chunk_rows if baseline else collate_events)(rows, offsets)
             teachers.append(events)
             shapes.append(events.shape_counts())
         return MicroBatch(

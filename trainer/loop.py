@@ -218,18 +218,20 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         out = wrapper(**inputs, global_ce_tokens=ce_tokens, global_chunk_counts=chunk_counts,
                       teacher_weights=teacher_weights, divergence=config.divergence, beta=config.beta,
                       teacher_temperature=config.teacher_temperature,
-                      chunk_size=config.loss_chunk_size or None)
+                      chunk_size=config.loss_chunk_size or None, loss_kind=config.loss,
+                      baseline=baseline_options(config))
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
         pieces += _diagnostics(out["metrics"], n_teachers)
         ce_m, kd_m, *rest = distributed.all_reduce_sum(pieces, ctx.device)
         kd_teachers, diag_m = rest[:n_teachers], rest[n_teachers:]
         scale = kd_scale(ce_m, kd_m, config)
-        loss = out["ce"] + scale * out["kd"] if scale else out["ce"]
+        ce_weight = 1 - config.kd_weight if config.kd_scale == "ratio" else 1.0
+        loss = ce_weight * out["ce"] + scale * out["kd"] if scale else ce_weight * out["ce"]
         (loss * ctx.world).backward()
         ce_total += ce_m
         kd_total += kd_m
-        loss_total += ce_m + scale * kd_m
+        loss_total += ce_weight * ce_m + scale * kd_m
         scales.append(scale)
         teacher_kd = [a + b for a, b in zip(teacher_kd, kd_teachers, strict=True)]
         diagnostics = [a + b for a, b in zip(diagnostics, diag_m, strict=True)]
@@ -265,11 +267,17 @@ def kd_scale(ce: float, kd: float, config: TrainConfig) -> float:
     """The KD multiplier of one micro-step from its all-rank CE and KD values.
 
     dynamic: w * sg(CE/KD), so that the KD term weighs w times the CE (L = CE when KD is 0);
-    fixed: w. `--kd-weight 1` with the dynamic scale is the paper's loss.
+    fixed: w; ratio: w (and CE weighs 1 - w). `--kd-weight 1` with the dynamic scale is the paper's loss.
     """
-    if config.kd_scale == "fixed":
+    if config.kd_scale in ("fixed", "ratio"):
         return config.kd_weight
     return config.kd_weight * ce / kd if kd != 0 and math.isfinite(kd) else 0.0
+
+
+def baseline_options(config: TrainConfig) -> dict:
+    """The options of the baseline losses (`csd_pipeline.loss.baselines.baseline_loss`)."""
+    return {"gold_matched_weight": config.gold_matched_weight, "strict_top_k": config.strict_top_k,
+            "strict_divergence": config.strict_divergence}
 
 
 def _diagnostics(metrics: dict, n_teachers: int) -> list[float]:

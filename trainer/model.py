@@ -50,7 +50,9 @@ class StudentWithLoss(torch.nn.Module):
 
     def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *,
                 global_ce_tokens, global_chunk_counts=None, teacher_weights=None,
-                divergence="jsd", beta=5.0, teacher_temperature=1.0, chunk_size=1024):
+                divergence="jsd", beta=5.0, teacher_temperature=1.0, chunk_size=1024, loss_kind="csd",
+                baseline=None):
+        from csd_pipeline.loss.baselines import BASELINE_LOSSES, baseline_loss
         from csd_pipeline.loss.csd import csd_loss
 
         hidden = self.model.get_decoder()(
@@ -58,6 +60,14 @@ class StudentWithLoss(torch.nn.Module):
         ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
+        if loss_kind in BASELINE_LOSSES:  # uld, gold, strict: `teachers` holds ChunkRows
+            out = baseline_loss(
+                loss_kind, ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
+                weight=weight, teacher_weights=teacher_weights, global_ce_tokens=global_ce_tokens,
+                global_chunk_counts=global_chunk_counts, divergence=divergence, chunk_size=chunk_size,
+                kd_scale=0.0, **(baseline or {}),
+            )
+            return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
         out = csd_loss(
             ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden, weight=weight,
             teacher_weights=teacher_weights, global_ce_tokens=global_ce_tokens,
