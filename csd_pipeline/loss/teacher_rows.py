@@ -10,8 +10,10 @@ this module keeps (as flat numpy arrays, like `BatchEvents`):
 - the teacher's explicit entries at the chunk's final predictor position: the stored top-k plus the
   observed final token (as for CSD), sorted by log-probability, each with its shared spelling class
   (-1 when no student token has the same bytes), padded with -inf / -1 to one width per batch;
-- once per teacher: the shared spelling class of every student id, the number of teacher ids in
-  each shared class and the teacher's vocabulary size.
+- the same entries grouped by shared class (log of the summed probability, how many explicit ids),
+  and the log-probs of the entries without a shared class, sorted;
+- once per teacher: the student ids of every shared class, the shared class of every teacher id,
+  the number of teacher ids in each class and the teacher's vocabulary size.
 
 Shared spelling classes are the common spellings of the student->teacher table (bytes that both
 vocabularies can emit as one token; ids with equal bytes form one class, as `spelling="sum"`).
@@ -39,11 +41,12 @@ TEACHER_CONTROLS = ("none", "shuffled")
 class SharedVocabulary:
     """The shared spelling classes of one (student, teacher) pair.
 
-    student_class: int64 [Vs], the class of each student id (-1: none); teacher_class: int64 [Vt];
-    class_teacher_size: int64 [K], teacher ids per class; teacher_vocab_size: Vt.
+    class_student_ids: int64 [K, L], the student ids of each class (-1 padding); teacher_class: int64
+    [Vt], the class of each teacher id (-1: none); class_teacher_size: int64 [K], teacher ids per
+    class; teacher_vocab_size: Vt.
     """
 
-    student_class: Any
+    class_student_ids: Any
     teacher_class: Any
     class_teacher_size: Any
     teacher_vocab_size: int
@@ -60,12 +63,15 @@ def shared_vocabulary(context) -> SharedVocabulary:
     """The `SharedVocabulary` of an `EventContext` (built once per context)."""
     if context not in _SHARED:
         spellings, s_ids, s_cls, t_ids, t_cls = context.common_dense()
-        student_class = np.full(context.student_vocab.size, -1, dtype=np.int64)
-        student_class[s_ids] = s_cls
+        order = np.argsort(s_cls, kind="stable")
+        s_ids, s_cls = s_ids[order], s_cls[order]
+        rank = np.arange(len(s_cls)) - np.searchsorted(s_cls, s_cls)  # position of the id within its class
+        class_student_ids = np.full((len(spellings), int(rank.max(initial=0)) + 1), -1, dtype=np.int64)
+        class_student_ids[s_cls, rank] = s_ids
         teacher_class = np.full(context.teacher_vocab.size, -1, dtype=np.int64)
         teacher_class[t_ids] = t_cls
         sizes = np.bincount(t_cls, minlength=len(spellings)).astype(np.int64)
-        _SHARED[context] = SharedVocabulary(student_class, teacher_class, sizes, int(context.teacher_vocab.size))
+        _SHARED[context] = SharedVocabulary(class_student_ids, teacher_class, sizes, int(context.teacher_vocab.size))
     return _SHARED[context]
 
 
@@ -76,7 +82,9 @@ class ChunkRows:
     final_pos: int64 [C]; chunk_shape: int64 [C] (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N);
     chain_pos/chain_tok/chain_chunk: int64 [Gc]; teacher_chain_logp: float64 [C];
     teacher_logp: float64 [C, W] explicit entries, descending, -inf padding; teacher_class: int64 [C, W]
-    (-1: no shared class, or padding); shared: the pair's `SharedVocabulary`; stats: counters.
+    (-1: no shared class, or padding); class_id / class_logp / class_count: [C, W2] the explicit entries
+    grouped by shared class (-1 / -inf / 0 padding); unshared_logp: float64 [C, W3] the explicit entries
+    without a shared class, descending; shared: the pair's `SharedVocabulary`; stats: counters.
     """
 
     final_pos: Any
@@ -87,6 +95,10 @@ class ChunkRows:
     teacher_chain_logp: Any
     teacher_logp: Any
     teacher_class: Any
+    class_id: Any
+    class_logp: Any
+    class_count: Any
+    unshared_logp: Any
     shared: SharedVocabulary
     stats: dict = field(default_factory=dict)
 
@@ -113,7 +125,7 @@ class ChunkRows:
                 out[f.name] = dict(value, shape_counts=self.shape_counts())
             elif f.name == "shared":
                 out[f.name] = SharedVocabulary(
-                    *(torch.as_tensor(getattr(value, k)).to(device) for k in ("student_class", "teacher_class",
+                    *(torch.as_tensor(getattr(value, k)).to(device) for k in ("class_student_ids", "teacher_class",
                                                                             "class_teacher_size")),
                     int(value.teacher_vocab_size))
             else:
@@ -121,10 +133,14 @@ class ChunkRows:
         return ChunkRows(**out)
 
 
+_PADDED = {"teacher_logp": -np.inf, "teacher_class": -1, "class_id": -1, "class_logp": -np.inf, "class_count": 0,
+           "unshared_logp": -np.inf}
+
+
 def _empty(shared: SharedVocabulary, stats: dict | None = None) -> ChunkRows:
     z = np.zeros(0, dtype=np.int64)
-    return ChunkRows(z, z, z, z, z, np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0), dtype=np.int64), shared,
-                     dict(stats or {}))
+    padded = {k: np.zeros((0, 0), dtype=np.int64 if isinstance(v, int) else np.float64) for k, v in _PADDED.items()}
+    return ChunkRows(z, z, z, z, z, np.zeros(0), **padded, shared=shared, stats=dict(stats or {}))
 
 
 def empty_chunk_rows(context, stats: dict | None = None) -> ChunkRows:
@@ -165,7 +181,8 @@ def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_
     sb, tb = context.student_bytes, context.teacher_bytes
     s_starts = np.cumsum(m_len) - m_len
     t_starts = np.cumsum(n_len) - n_len
-    out = {k: [] for k in ("final_pos", "chunk_shape", "teacher_chain_logp", "entries", "classes", "chain")}
+    out = {k: [] for k in ("final_pos", "chunk_shape", "teacher_chain_logp", "entries", "classes", "chain", "class_id",
+                           "class_logp", "class_count", "unshared")}
     stats = {"chunks_not_accepted": int(np.count_nonzero(status != ACCEPTED)), "chunks_no_predictor": 0,
              "chunks_not_1to1": 0}
     for c in np.flatnonzero(status == ACCEPTED).tolist():
@@ -198,13 +215,27 @@ def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_
         order = np.argsort(-values, kind="stable")
         ids, values = ids[order], values[order]
         inside = (ids >= 0) & (ids < len(shared.teacher_class))
-        out["classes"].append(np.where(inside, shared.teacher_class[np.clip(ids, 0, len(shared.teacher_class) - 1)], -1))
+        classes = np.where(inside, shared.teacher_class[np.clip(ids, 0, len(shared.teacher_class) - 1)], -1)
+        out["classes"].append(classes)
         out["entries"].append(values)
+        grouped = _by_class(values, classes)
+        for key, value in zip(("class_id", "class_logp", "class_count"), grouped, strict=True):
+            out[key].append(value)
+        out["unshared"].append(values[classes < 0])
         out["final_pos"].append(s0 + m - 2)
         out["chunk_shape"].append(shape)
         out["teacher_chain_logp"].append(float(lps[:-1].sum()))
         out["chain"].extend((s0 - 1 + r, s_tok[r], len(out["final_pos"]) - 1) for r in range(m - 1))
     return _finish(out, shared, stats)
+
+
+def _by_class(values: np.ndarray, classes: np.ndarray):
+    """(class ids, log of their summed probabilities, explicit ids per class) of the entries with a shared class."""
+    shared_entries = classes >= 0
+    ids, inverse, counts = np.unique(classes[shared_entries], return_inverse=True, return_counts=True)
+    logp = np.full(len(ids), -np.inf)
+    np.logaddexp.at(logp, inverse, values[shared_entries])
+    return ids, logp, counts
 
 
 def _pad(parts: list, fill, dtype) -> np.ndarray:
@@ -224,6 +255,10 @@ def _finish(out: dict, shared: SharedVocabulary, stats: dict) -> ChunkRows:
         teacher_chain_logp=np.asarray(out["teacher_chain_logp"], dtype=np.float64),
         teacher_logp=_pad(out["entries"], -np.inf, np.float64),
         teacher_class=_pad(out["classes"], -1, np.int64),
+        class_id=_pad(out["class_id"], -1, np.int64),
+        class_logp=_pad(out["class_logp"], -np.inf, np.float64),
+        class_count=_pad(out["class_count"], 0, np.int64),
+        unshared_logp=_pad(out["unshared"], -np.inf, np.float64),
         shared=shared, stats=stats,
     )
 
@@ -233,8 +268,6 @@ def collate_chunk_rows(rows: list[ChunkRows], row_offsets) -> ChunkRows:
     offsets = [int(o) for o in row_offsets]
     if len(offsets) != len(rows) or not rows:
         raise CsdError(f"collate_chunk_rows got {len(rows)} rows and {len(offsets)} row offsets; give one per row.")
-    width = max(r.teacher_logp.shape[1] for r in rows)
-    pads = [(r.teacher_logp.shape[0], width - r.teacher_logp.shape[1]) for r in rows]
     n_chunks, chain_chunk, stats = 0, [], {}
     for r in rows:
         chain_chunk.append(r.chain_chunk + n_chunks)
@@ -244,6 +277,11 @@ def collate_chunk_rows(rows: list[ChunkRows], row_offsets) -> ChunkRows:
                 stats[key] = stats.get(key, 0) + value
     stats["rows"] = len(rows)
     cat = np.concatenate
+    padded = {}
+    for key, fill in _PADDED.items():
+        parts = [getattr(r, key) for r in rows]
+        width = max(p.shape[1] for p in parts)
+        padded[key] = cat([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts])
     return ChunkRows(
         final_pos=cat([r.final_pos + o for r, o in zip(rows, offsets, strict=True)]),
         chunk_shape=cat([r.chunk_shape for r in rows]),
@@ -251,10 +289,7 @@ def collate_chunk_rows(rows: list[ChunkRows], row_offsets) -> ChunkRows:
         chain_tok=cat([r.chain_tok for r in rows]),
         chain_chunk=cat(chain_chunk),
         teacher_chain_logp=cat([r.teacher_chain_logp for r in rows]),
-        teacher_logp=cat([np.pad(r.teacher_logp, ((0, 0), (0, p)), constant_values=-np.inf)
-                          for r, (_, p) in zip(rows, pads, strict=True)]).reshape(-1, width),
-        teacher_class=cat([np.pad(r.teacher_class, ((0, 0), (0, p)), constant_values=-1)
-                           for r, (_, p) in zip(rows, pads, strict=True)]).reshape(-1, width),
+        **padded,
         shared=rows[0].shared, stats=stats,
     )
 
