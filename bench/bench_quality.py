@@ -270,27 +270,22 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
 def print_comparison(results: list[dict], teachers: dict) -> None:
     """Per regime and arm: mean held-out bits per byte over its seeds, half the min-max spread, the margin over
     CE and over the shuffled-teacher control (both means), and the mean step time of its last 10 steps."""
-    print(f"\n| regime | arm | seeds | bits/byte | ± | vs CE | vs control | s/step |\n|---|---|---|---|---|---|---|---|")
+    print("\n| regime | arm | seeds | bits/byte | ± | vs CE | vs control | s/step |\n|---|---|---|---|---|---|---|---|")
     for regime in sorted({r["regime"] for r in results}):
         by_arm: dict[str, list[dict]] = {}
         for r in results:
             if r["regime"] == regime:
                 by_arm.setdefault(r["arm"], []).append(r)
-
-        def mean(arm):
-            runs = by_arm.get(arm, [])
-            return sum(r["bits_per_byte"] for r in runs) / len(runs) if runs else None
-
-        ce, control = mean("ce"), mean(CONTROL)
+        means = {arm: sum(r["bits_per_byte"] for r in runs) / len(runs) for arm, runs in by_arm.items()}
+        ce, control = means.get("ce"), means.get(CONTROL)
         if regime in teachers:
             print(f"| {regime} | teacher |  | {teachers[regime]:.4f} |  |  |  |  |")
-        for arm in sorted(by_arm, key=mean):
-            runs = by_arm[arm]
+        for arm in sorted(by_arm, key=means.get):
+            runs, m = by_arm[arm], means[arm]
             values = [r["bits_per_byte"] for r in runs]
             spread = f"{(max(values) - min(values)) / 2:.4f}" if len(values) > 1 else ""
-            m = mean(arm)
             versus = [f"{(m - ref) / ref:+.1%}" if ref and arm != own else "" for ref, own in ((ce, "ce"), (control, CONTROL))]
-            step = [r.get("last10_step_time_s") for r in runs if r.get("last10_step_time_s")]
+            step = [r["last10_step_time_s"] for r in runs if r.get("last10_step_time_s")]
             step_s = f"{sum(step) / len(step):.2f}" if step else ""
             print(f"| {regime} | `{arm}` | {','.join(str(r['seed']) for r in runs)} | {m:.4f} | {spread} | "
                   f"{versus[0]} | {versus[1]} | {step_s} |")

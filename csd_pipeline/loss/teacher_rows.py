@@ -31,7 +31,15 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.events import ACCEPTED, SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N, _row_get, _teacher_arrays
+from csd_pipeline.loss.events import (
+    ACCEPTED,
+    SHAPE_1_1,
+    SHAPE_1_N,
+    SHAPE_M_1,
+    SHAPE_M_N,
+    _row_get,
+    _teacher_arrays,
+)
 
 BASELINE_LOSSES = ("uld", "gold", "strict")
 TEACHER_CONTROLS = ("none", "shuffled")
