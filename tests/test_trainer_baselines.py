@@ -20,6 +20,7 @@ BASE = ["--aligned", "A", "--output", "O", "--student", "S", "--teacher-logits",
 @pytest.mark.parametrize(("argv", "names"), [
     (["--loss", "ot"], "--loss"),
     (["--kd-scale", "ratio", "--kd-weight", "1.5"], "--kd-weight"),
+    (["--kd-scale", "ratio", "--loss", "ce"], "--kd-scale ratio"),
     (["--loss", "gold", "--gold-matched-weight", "1.2"], "--gold-matched-weight"),
     (["--loss", "strict", "--strict-top-k", "-1"], "--strict-top-k"),
     (["--loss", "strict", "--strict-divergence", "tv"], "--strict-divergence"),

@@ -147,8 +147,9 @@ class TrainConfig:
         if any(getattr(self, n) < 0 for n in nonnegative):
             bad = next(n for n in nonnegative if getattr(self, n) < 0)
             raise CsdError(f"--{_flag(bad)} must be 0 or more, got {getattr(self, bad)}")
-        if self.kd_scale == "ratio" and self.kd_weight > 1:
-            raise CsdError(f"--kd-weight must be within [0, 1] with --kd-scale ratio, got {self.kd_weight}")
+        if self.kd_scale == "ratio" and (self.kd_weight > 1 or self.loss == "ce"):
+            raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.loss} "
+                           f"and --kd-weight {self.kd_weight}")
         if self.gold_matched_weight is not None and not 0 <= self.gold_matched_weight <= 1:
             raise CsdError(f"--gold-matched-weight must be within [0, 1], got {self.gold_matched_weight}")
         if self.loss in ("uld", "gold", "strict") and self.teacher_temperature != 1:
