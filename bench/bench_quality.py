@@ -20,13 +20,23 @@ every chosen arm with each seed. A subset run adds its runs to quality.json, a f
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
 
+`--comparison` runs the other cross-tokenizer methods against CSD instead (COMPARISON_ARMS): CE, the
+best CSD arm and csd_1to1, ULD, GOLD and CT-OPD's strict KD each at their published defaults plus a
+small sweep of their main knob, and the best CSD arm with its teacher rows shuffled (the control).
+Every arm runs with seed 0; then CE, both CSD arms, the control and, per baseline, its best seed-0 arm
+of the regime run with seeds 1 and 2 (`--quick`: 20 steps, seed 1 only). Writes
+bench-results/comparison.json (comparison-quick.json) and prints the table (mean over seeds, half the
+min-max spread, vs CE, vs the control, seconds per step).
+
     python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
+    python bench/bench_quality.py --comparison [--quick] [--regime ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -55,7 +65,29 @@ ARMS = {
     "csd kl b1 top128": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
     "csd_1to1 kl top128 t1.5": ["--loss", "csd_1to1", "--divergence", "kl", "--teacher-temperature", "1.5"],
     "csd kl b1 top128 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    # the control: the best arm's teacher rows given to other positions of the batch
+    "csd kl b1 top128 t1.5 shuffled": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
+                                       "1.5", "--teacher-control", "shuffled"],
+    # baselines (docs/TRAINING.md), all on the stored top-128. ULD: L = CE + w ULD, w = 1.5 published
+    "uld w1.5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "1.5"],
+    "uld w0.5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "0.5"],
+    "uld w5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "5"],
+    # GOLD: TRL's defaults (JSD on shared spellings, adaptive matched weight, distillation weight 1)
+    "gold": ["--loss", "gold", "--divergence", "jsd", "--kd-scale", "fixed", "--kd-weight", "1"],
+    "gold m0.9": ["--loss", "gold", "--divergence", "jsd", "--gold-matched-weight", "0.9", "--kd-scale", "fixed",
+                  "--kd-weight", "1"],
+    "gold w5": ["--loss", "gold", "--divergence", "jsd", "--kd-scale", "fixed", "--kd-weight", "5"],
+    # CT-OPD strict: reverse KL, kd ratio 1.0 (no CE); its top-16 variant; the top-k knob; KDFlow's off-policy ratio
+    "strict": ["--loss", "strict", "--kd-scale", "ratio", "--kd-weight", "1"],
+    "strict top16": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "1"],
+    "strict top4": ["--loss", "strict", "--strict-top-k", "4", "--kd-scale", "ratio", "--kd-weight", "1"],
+    "strict top16 r0.5": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "0.5"],
 }
+BEST_CSD = "csd kl b1 top128 t1.5"
+CONTROL = BEST_CSD + " shuffled"
+COMPARISON_ARMS = ["ce", BEST_CSD, "csd_1to1 kl top128 t1.5", CONTROL, "uld w1.5", "uld w0.5", "uld w5", "gold",
+                   "gold m0.9", "gold w5", "strict", "strict top16", "strict top4", "strict top16 r0.5"]
+COMPARISON_SEEDS = (1, 2)  # after seed 0: for CE, the CSD arms, the control and each baseline's best arm
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
                 "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
@@ -64,11 +96,16 @@ TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "2", "--lr", "3e-3", "--
               "--workers", "1", "progress=false"]
 
 
+def _env() -> dict:
+    """This checkout's code first, whatever the installed console scripts point at."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
 def run(cmd: list, log: Path) -> None:
     with log.open("a") as handle:
         handle.write("$ " + " ".join(map(str, cmd)) + "\n")
         handle.flush()
-        result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+        result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=_env())
     if result.returncode != 0:
         raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
 
@@ -106,7 +143,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
               "seconds": time.perf_counter() - started, "args": ARMS[arm],
               "curve": [[e["step"], e["bits_per_byte"]] for e in evals]}
-    for key in ("teacher_event_mass", "student_rest_mass", "events_per_chunk", "ce", "kd", "grad_norm"):
+    for key in ("teacher_event_mass", "student_rest_mass", "events_per_chunk", "ce", "kd", "grad_norm", "step_time_s"):
         values = [float(m[key]) for m in tail if m.get(key) is not None]
         if values:
             record[f"last10_{key}"] = sum(values) / len(values)
@@ -116,7 +153,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
 def teacher_score(dirs: dict, log: Path) -> float:
     out = subprocess.run([str(BIN / "csd-pipeline"), "bits-per-byte", "--aligned", str(dirs["heldout"]), "--model",
                           "smollm2-135m-instruct", "--side", "teacher0", "--seq-len", str(WINDOW), "--json"],
-                         cwd=ROOT, capture_output=True, text=True)
+                         cwd=ROOT, capture_output=True, text=True, env=_env())
     if out.returncode != 0:
         raise RuntimeError(out.stderr)
     return json.loads(out.stdout)["bits_per_byte"]
@@ -198,6 +235,62 @@ def print_summary(results: list[dict], teachers: dict) -> None:
                     print(f"{regime:<13} {arm:<{ARM_WIDTH}} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
 
 
+def comparison_finalists(rows: list[dict]) -> list[str]:
+    """The arms that also run with COMPARISON_SEEDS: CE, both CSD arms, the control, each baseline's best seed-0 arm."""
+    finals = ["ce", BEST_CSD, "csd_1to1 kl top128 t1.5", CONTROL]
+    for method in ("uld", "gold", "strict"):
+        mine = [r for r in rows if r["arm"].split()[0] == method]
+        if mine:
+            finals.append(min(mine, key=lambda r: r["bits_per_byte"])["arm"])
+    return finals
+
+
+def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: Path) -> None:
+    """Every COMPARISON_ARMS arm with seed 0, then the finalists with COMPARISON_SEEDS, per regime."""
+    results, teachers = [], {}
+    for regime in regimes:
+        steps = 20 if quick else REGIMES[regime]["steps"]
+        print(f"[comparison] {regime}: aligning and computing teacher top-k ...", flush=True)
+        dirs = prepare(regime, out, log)
+        teachers[regime] = teacher_score(dirs, log)
+        rows: list[dict] = []
+        plan = [(arm, 0) for arm in COMPARISON_ARMS]
+        while plan:
+            arm, seed = plan.pop(0)
+            rows.append(train_arm(regime, arm, seed, dirs, out, steps, log))
+            _save(results + rows, teachers, path, True)
+            print(f"[comparison] {regime:<13} {arm:<{ARM_WIDTH}} seed {seed}: {rows[-1]['bits_per_byte']:.4f} bits/byte "
+                  f"({rows[-1]['seconds']:.0f} s)", flush=True)
+            if not plan and all(r["seed"] == 0 for r in rows):  # a quick run shows the second stage with one seed
+                plan = [(arm, s) for s in COMPARISON_SEEDS[:1 if quick else None] for arm in comparison_finalists(rows)]
+        results.extend(rows)
+    _save(results, teachers, path, True)
+
+
+def print_comparison(results: list[dict], teachers: dict) -> None:
+    """Per regime and arm: mean held-out bits per byte over its seeds, half the min-max spread, the margin over
+    CE and over the shuffled-teacher control (both means), and the mean step time of its last 10 steps."""
+    print("\n| regime | arm | seeds | bits/byte | ± | vs CE | vs control | s/step |\n|---|---|---|---|---|---|---|---|")
+    for regime in sorted({r["regime"] for r in results}):
+        by_arm: dict[str, list[dict]] = {}
+        for r in results:
+            if r["regime"] == regime:
+                by_arm.setdefault(r["arm"], []).append(r)
+        means = {arm: sum(r["bits_per_byte"] for r in runs) / len(runs) for arm, runs in by_arm.items()}
+        ce, control = means.get("ce"), means.get(CONTROL)
+        if regime in teachers:
+            print(f"| {regime} | teacher |  | {teachers[regime]:.4f} |  |  |  |  |")
+        for arm in sorted(by_arm, key=means.get):
+            runs, m = by_arm[arm], means[arm]
+            values = [r["bits_per_byte"] for r in runs]
+            spread = f"{(max(values) - min(values)) / 2:.4f}" if len(values) > 1 else ""
+            versus = [f"{(m - ref) / ref:+.1%}" if ref and arm != own else "" for ref, own in ((ce, "ce"), (control, CONTROL))]
+            step = [r["last10_step_time_s"] for r in runs if r.get("last10_step_time_s")]
+            step_s = f"{sum(step) / len(step):.2f}" if step else ""
+            print(f"| {regime} | `{arm}` | {','.join(str(r['seed']) for r in runs)} | {m:.4f} | {spread} | "
+                  f"{versus[0]} | {versus[1]} | {step_s} |")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench-quality")
@@ -206,12 +299,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", help="comma-separated seeds to run every chosen arm with (default: seed 0, "
                         "then ce and the best arm with seed 1)")
     parser.add_argument("--quick", action="store_true", help="20 steps per arm (a smoke run, not a measurement; writes quality-quick.*)")
+    parser.add_argument("--comparison", action="store_true", help="CSD against ULD, GOLD, strict and the shuffled "
+                        "control (COMPARISON_ARMS, three seeds for the finalists; writes comparison.json)")
     args = parser.parse_args(argv)
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     log = out / "commands.log"
     results_dir = ROOT / "bench-results"
     results_dir.mkdir(exist_ok=True)
+    if args.comparison:
+        if args.arms or args.seeds:
+            parser.error("--comparison runs its own arms and seeds; drop --arms and --seeds")
+        path = results_dir / ("comparison-quick.json" if args.quick else "comparison.json")
+        started = time.perf_counter()
+        run_comparison(args.regime or list(REGIMES), args.quick, out, log, path)
+        merged = json.loads(path.read_text())
+        print_comparison(merged["results"], merged["teacher_bits_per_byte"])
+        print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {path}")
+        return 0
     name = "quality-quick" if args.quick else "quality"  # a smoke run never mixes with measurements
     summary_path, plot_path = results_dir / f"{name}.json", results_dir / f"{name}.png"
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(DEFAULT_ARMS)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from csd_pipeline.errors import CsdError
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES
 from csd_pipeline.loss.events import DEFAULT_SPELLING, SPELLING_MODES
+from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES, TEACHER_CONTROLS
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
 
-LOSSES = ("csd", "ce", "csd_1to1")
-KD_SCALES = ("dynamic", "fixed")
+LOSSES = ("csd", "ce", "csd_1to1", *BASELINE_LOSSES)
+KD_SCALES = ("dynamic", "fixed", "ratio")
 
 
 def _opt(default, help_text, *, trajectory=False, **extra):
@@ -131,12 +132,12 @@ class OptimizerConfig:
 class LossConfig:
     """CE alone or CE + CSD: the divergence, the chunk weights, the KD scale and the teachers' weights."""
 
-    loss: str = _opt("csd", "csd (default), ce (no KD) or csd_1to1 (only 1:1 chunks)", trajectory=True,
-                     choices=LOSSES)
+    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), or a baseline: uld, gold, "
+                            "strict (docs/TRAINING.md)", trajectory=True, choices=LOSSES)
     divergence: str = _opt(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
     beta: float = _opt(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
-    kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD",
-                         trajectory=True, choices=KD_SCALES)
+    kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
+                                    "ratio: L = (1-w)*CE + w*KD", trajectory=True, choices=KD_SCALES)
     kd_weight: float = _opt(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)",
                             trajectory=True)
     kd_teachers: str | None = _opt(None, "teachers and weights, e.g. `0:1.0,1:0.5` (default: all, weight 1)",
@@ -147,6 +148,15 @@ class LossConfig:
                          trajectory=True, choices=SPELLING_MODES)
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
                                  "(0: all); compares top-k sizes without re-running the teacher", trajectory=True)
+    gold_matched_weight: float | None = _opt(None, "--loss gold: weight of the direct term on shared spellings "
+                                                   "(the sorted term gets 1 - w); default: TRL's adaptive weight",
+                                             trajectory=True)
+    strict_top_k: int = _opt(0, "--loss strict: keep the student's N most likely shared spellings (0: all)",
+                             trajectory=True)
+    strict_divergence: str = _opt("reverse_kl", "--loss strict: jsd, kl or reverse_kl (CT-OPD's)", trajectory=True,
+                                  choices=DIVERGENCES)
+    teacher_control: str = _opt("none", "shuffled: give each stored teacher row to another position of the batch "
+                                        "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
     loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
 
     @property
@@ -156,12 +166,29 @@ class LossConfig:
 
     @property
     def only_1to1(self) -> bool:
-        """`csd_1to1`: only 1:1 chunks enter the KD term."""
-        return self.loss == "csd_1to1"
+        """`csd_1to1` and `strict`: only 1:1 chunks enter the KD term."""
+        return self.loss in ("csd_1to1", "strict")
+
+    @property
+    def is_baseline(self) -> bool:
+        """uld, gold, strict: the KD term reads per-chunk teacher rows (`ChunkRows`), not CSD events."""
+        return self.loss in BASELINE_LOSSES
+
+    def baseline_options(self) -> dict:
+        """The options of the baseline losses (`csd_pipeline.loss.baselines.baseline_loss`)."""
+        return {"gold_matched_weight": self.gold_matched_weight, "strict_top_k": self.strict_top_k,
+                "strict_divergence": self.strict_divergence}
 
     def validate(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size"))
+        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "strict_top_k"))
+        if self.kd_scale == "ratio" and (self.kd_weight > 1 or self.loss == "ce"):
+            raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.loss} "
+                           f"and --kd-weight {self.kd_weight}")
+        if self.gold_matched_weight is not None and not 0 <= self.gold_matched_weight <= 1:
+            raise CsdError(f"--gold-matched-weight must be within [0, 1], got {self.gold_matched_weight}")
+        if self.is_baseline and self.teacher_temperature != 1:
+            raise CsdError(f"--teacher-temperature applies to the csd losses only; leave it at 1 with --loss {self.loss}")
         if not (self.teacher_temperature > 0 and math.isfinite(self.teacher_temperature)):
             raise CsdError(f"--teacher-temperature must be a positive number, got {self.teacher_temperature}")
 

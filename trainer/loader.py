@@ -65,6 +65,8 @@ class LoaderSpec:
     pad_id: int
     teacher_top_k: int = 0
     teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
+    baseline: bool = False         # uld, gold, strict: per-chunk rows (ChunkRows) instead of CSD events
+    teacher_control: str = "none"  # shuffled: the batch's teacher rows given to other positions
 
 
 @dataclass
@@ -174,6 +176,7 @@ class _BatchBuilder:
     def build(self, windows: list[_Window], placements) -> MicroBatch:
         from csd_pipeline.loss.events import ce_targets, collate_events
         from csd_pipeline.loss.row_events import build_row_events
+        from csd_pipeline.loss.teacher_rows import build_row_chunks, collate_chunk_rows, shuffle_teacher_rows
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,
@@ -184,12 +187,22 @@ class _BatchBuilder:
         teachers, shapes = [], []
         for t, index in enumerate(spec.teacher_indices):
             context = self.contexts()[t]
-            # A rejected teacher row (non-finite values) gives no events (CE only) and is counted.
-            rows = [build_row_events(w.columns, index, self.teacher_row(t, w.shard, w.row), context,
-                                     spelling=spec.spelling, only_1to1=spec.only_1to1,
-                                     source=spec.aligned.shards[w.shard].file)
-                    for w in windows]
-            events = collate_events(rows, offsets)
+            topks = [self.teacher_row(t, w.shard, w.row) for w in windows]
+            if spec.teacher_control == "shuffled":  # the same stored rows, at other positions of the batch
+                first = windows[0].state_after
+                rng = np.random.default_rng([spec.seed, spec.rank, t, first["epoch"], first["position"]])
+                topks = shuffle_teacher_rows(topks, rng)
+            # A rejected teacher row (non-finite values) gives no events or rows (CE only) and is counted.
+            if spec.baseline:
+                rows = [build_row_chunks(w.columns, index, topk, context, only_1to1=spec.only_1to1,
+                                         source=spec.aligned.shards[w.shard].file)
+                        for w, topk in zip(windows, topks, strict=True)]
+                events = collate_chunk_rows(rows, offsets)
+            else:
+                rows = [build_row_events(w.columns, index, topk, context, spelling=spec.spelling,
+                                         only_1to1=spec.only_1to1, source=spec.aligned.shards[w.shard].file)
+                        for w, topk in zip(windows, topks, strict=True)]
+                events = collate_events(rows, offsets)
             teachers.append(events)
             shapes.append(events.shape_counts())
         return MicroBatch(

@@ -256,17 +256,19 @@ def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights:
         out = wrapper(**_to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
                       global_chunk_counts=counts.chunks, teacher_weights=teacher_weights,
                       divergence=loss.divergence, beta=loss.beta, teacher_temperature=loss.teacher_temperature,
-                      chunk_size=loss.loss_chunk_size or None)
+                      chunk_size=loss.loss_chunk_size or None, loss_kind=loss.loss,
+                      baseline=loss.baseline_options())
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
         pieces += _diagnostics(out["metrics"], n_teachers)
         ce_m, kd_m, *rest = distributed.all_reduce_sum(pieces, ctx.device)
         scale = kd_scale(ce_m, kd_m, loss)
-        step_loss = out["ce"] + scale * out["kd"] if scale else out["ce"]
+        ce_weight = 1 - loss.kd_weight if loss.kd_scale == "ratio" else 1.0
+        step_loss = ce_weight * out["ce"] + scale * out["kd"] if scale else ce_weight * out["ce"]
         (step_loss * ctx.world).backward()
         sums["ce"] += ce_m
         sums["kd"] += kd_m
-        sums["loss"] += ce_m + scale * kd_m
+        sums["loss"] += ce_weight * ce_m + scale * kd_m
         sums["scales"].append(scale)
         sums["teacher_kd"] = [a + b for a, b in zip(sums["teacher_kd"], rest[:n_teachers], strict=True)]
         sums["diagnostics"] = [a + b for a, b in zip(sums["diagnostics"], rest[n_teachers:], strict=True)]
@@ -301,9 +303,9 @@ def kd_scale(ce: float, kd: float, config: LossConfig) -> float:
     """The KD multiplier of one micro-step from its all-rank CE and KD values.
 
     dynamic: w * sg(CE/KD), so that the KD term weighs w times the CE (L = CE when KD is 0);
-    fixed: w. `--kd-weight 1` with the dynamic scale is the paper's loss.
+    fixed: w; ratio: w (and CE weighs 1 - w). `--kd-weight 1` with the dynamic scale is the paper's loss.
     """
-    if config.kd_scale == "fixed":
+    if config.kd_scale in ("fixed", "ratio"):
         return config.kd_weight
     return config.kd_weight * ce / kd if kd != 0 and math.isfinite(kd) else 0.0
 

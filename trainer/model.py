@@ -51,7 +51,10 @@ class StudentWithLoss(torch.nn.Module):
         )
 
     def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *, global_ce_tokens,
-                **loss_options):
+                loss_kind="csd", baseline=None, **loss_options):
+        """CE and KD of one micro-batch: CSD over `teachers`' events, or with `loss_kind` uld, gold or
+        strict a baseline over their `ChunkRows` (`baseline`: its options)."""
+        from csd_pipeline.loss.baselines import BASELINE_LOSSES, baseline_loss
         from csd_pipeline.loss.csd import csd_loss
 
         hidden = self.model.get_decoder()(
@@ -59,6 +62,13 @@ class StudentWithLoss(torch.nn.Module):
         ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
+        if loss_kind in BASELINE_LOSSES:
+            for key in ("beta", "teacher_temperature"):  # CSD-only options
+                loss_options.pop(key, None)
+            out = baseline_loss(loss_kind, ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers,
+                                hidden=hidden, weight=weight, global_ce_tokens=global_ce_tokens, kd_scale=0.0,
+                                **loss_options, **(baseline or {}))
+            return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
         out = csd_loss(ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
                        weight=weight, global_ce_tokens=global_ce_tokens, kd_scale=0.0, **loss_options)
         return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
