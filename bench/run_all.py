@@ -2,7 +2,8 @@
 
 Each `bench/bench_<topic>.py` exposes `run(quick=False) -> {"name", "metrics", "checks"}`; checks
 are ratios measured inside one run, so a noisy shared machine slows both sides alike.
-`python bench/run_all.py [--quick] [topic ...]` runs a subset.
+`python bench/run_all.py [--quick] [--inspect-gb GB] [topic ...]` runs a subset; `--inspect-gb` sizes the
+output `bench_inspect` scans (default 0.1 GiB).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPICS = ("tables", "align", "chat", "teacher", "loss", "train")
+TOPICS = ("tables", "align", "chat", "teacher", "loss", "train", "inspect")
 
 
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
+    options = {"inspect": {"gb": float(argv.pop(argv.index("--inspect-gb") + 1))}} if "--inspect-gb" in argv else {}
     topics = [a for a in argv if not a.startswith("--")] or list(TOPICS)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
@@ -33,7 +35,7 @@ def main(argv: list[str]) -> int:
             continue
         print(f"[bench] {topic} ...", file=sys.stderr, flush=True)
         try:
-            result = module.run(quick=quick)
+            result = module.run(quick=quick, **options.get(topic, {}))
         except Exception as err:  # a broken benchmark is reported, the others still run
             traceback.print_exc()
             result = {"name": topic, "metrics": {}, "checks": {"ran": {"value": 0, "limit": 1, "ok": False}}, "error": str(err)}

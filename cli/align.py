@@ -57,6 +57,7 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
           drop_first_assistant_chunk, trust_remote_code, quiet):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""
     from csd_pipeline.align.stage import AlignConfig, run_align
+    from csd_pipeline.runtime.progress import set_quiet
 
     config = AlignConfig(
         corpus=list(corpus),
@@ -80,6 +81,7 @@ def align(corpus, student_tokenizer, teacher_tokenizers, output, mode, max_stude
         drop_first_assistant_chunk=list(drop_first_assistant_chunk),
     )
     log = None if quiet else (lambda message: click.echo(message, err=True))
+    set_quiet(quiet)
     report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if not quiet:
         echo_run_report(output, report)

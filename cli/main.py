@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "teacher-logits": "cli.teacher_logits:teacher_logits",
     "status": "cli.outputs:status",
     "inspect": "cli.outputs:inspect",
+    "report": "cli.report:report",
     "bits-per-byte": "cli.evaluate:bits_per_byte",
     "fixtures": "cli.fixtures:fixtures",
 }
@@ -28,6 +29,7 @@ HELP_LINES = {
     "teacher-logits": "Run the teacher once and store its top-k log-probabilities.",
     "status": "Say which shards of a stage output are complete and what is missing.",
     "inspect": "Summarise a stage output: rows, tokens, chunk shapes, rejections.",
+    "report": "Write a Markdown report with plots of aligned, teacher and training outputs.",
     "bits-per-byte": "Held-out bits per byte of a model on an aligned folder (any tokenizer).",
     "fixtures": "Fetch, convert and verify the real tokenizer and model fixtures.",
 }

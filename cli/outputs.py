@@ -38,56 +38,20 @@ def status(directory, finalize, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(directory, as_json):
     """Summarise a stage output from its manifest: rows, tokens, chunk shapes, rejections."""
-    from csd_pipeline.runtime.manifest import read_manifest
+    from csd_pipeline.report.stats import inspect_summary, source_lines
 
-    manifest = read_manifest(directory)
-    report = summarise(manifest)
+    report = inspect_summary(directory)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True))
         return
     click.echo(f"{directory}: {report['stage']} output, schema version {report['schema_version']}")
     click.echo(f"shards: {report['shards']}, rows: {report['rows']}, bytes on disk: {report['bytes_on_disk']}")
-    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections", "chat"):
+    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections", "chat",
+                "window_tokens"):
         if key in report:
             click.echo(f"{key}: {json.dumps(report[key], sort_keys=True)}")
-
-
-def summarise(manifest: dict) -> dict:
-    """The `inspect` report of a manifest: totals, and for aligned outputs tokens, bytes/token, shapes, rejections."""
-    totals = manifest["totals"]
-    stats = totals.get("stats", {})
-    report = {
-        "stage": manifest["stage"],
-        "schema_version": manifest["schema_version"],
-        "shards": totals["shards"],
-        "rows": totals["rows"],
-        "bytes_on_disk": totals["bytes"],
-    }
-    if manifest["stage"] != "align":
-        report["stats"] = stats
-        return report
-    tokens = stats.get("tokens", {})
-    text_bytes = stats.get("bytes", {}).get("windows", 0)
-    report["windows"] = stats.get("windows", 0)
-    report["documents"] = stats.get("documents", {})
-    report["tokens"] = tokens
-    report["text_bytes"] = text_bytes
-    report["bytes_per_token"] = {side: round(text_bytes / n, 4) if n else None for side, n in tokens.items()}
-    teachers = sorted(k for k in stats if k.startswith("teacher") and isinstance(stats[k], dict) and "chunk_status" in stats[k])
-    report["chunk_status"] = {t: stats[t]["chunk_status"] for t in teachers}
-    report["chunk_shapes"] = {t: stats[t]["accepted_shapes"] for t in teachers}
-    report["rejections"] = {
-        "documents": stats.get("rejected_documents", {}),
-        "window_regions": stats.get("rejected_regions", {}),
-        "window_region_bytes": stats.get("rejected_region_bytes", 0),
-        "chunks": {t: {k: v for k, v in stats[t]["chunk_status"].items() if k not in ("ACCEPTED", "SPECIAL") and v}
-                   for t in teachers},
-    }
-    if "chat" in stats:  # chat mode: supervised (loss-mask) tokens and bytes, first chunks dropped from KD
-        rows = stats.get("windows", 0)
-        per_row = round(stats["chat"].get("supervised_student_tokens", 0) / rows, 2) if rows else None
-        report["chat"] = {**stats["chat"], "supervised_student_tokens_per_row": per_row}
-    return report
+    for line in source_lines(report.get("sources", [])):
+        click.echo(line)
 
 
 def echo_run_report(output, report) -> None:

@@ -41,6 +41,7 @@ def teacher_logits(aligned, teacher, output, teacher_index, top_k, batch_tokens,
     """Store the teacher's top-k log-probabilities for every aligned teacher position (SPEC §6); re-running
     resumes, and `torchrun --nproc-per-node N` splits the shards over N processes."""
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
+    from csd_pipeline.runtime.progress import set_quiet
 
     config = TeacherLogitsConfig(
         aligned=aligned, teacher=teacher, output=output, teacher_index=teacher_index, top_k=top_k,
@@ -49,6 +50,7 @@ def teacher_logits(aligned, teacher, output, teacher_index, top_k, batch_tokens,
         check_tokenizer=not skip_tokenizer_check,
     )
     log = None if quiet else (lambda message: click.echo(message, err=True))
+    set_quiet(quiet)
     report = run_teacher_logits(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if not quiet:
         echo_run_report(output, report)

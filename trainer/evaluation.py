@@ -114,11 +114,14 @@ def bits_per_byte(model, aligned_dir, side="student", *, seq_len: int = 2048, ba
     import torch
 
     from csd_pipeline.loss.csd import chunked_token_logprobs
+    from csd_pipeline.runtime import progress
+    from csd_pipeline.runtime.manifest import read_manifest
 
     device = next(model.parameters()).device
     nats, n_bytes, n_tokens, n_rows = 0.0, 0, 0, 0
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    with torch.no_grad():
+    rows = int(read_manifest(aligned_dir)["totals"]["rows"])
+    with torch.no_grad(), progress.bar(min(rows, max_rows or rows), "bits per byte", "row") as shown:
         for packed, positions, tokens, text_bytes in eval_batches(
                 aligned_dir, side, seq_len=seq_len, batch_size=batch_size, max_rows=max_rows,
                 fingerprint=fingerprint):
@@ -132,6 +135,7 @@ def bits_per_byte(model, aligned_dir, side="student", *, seq_len: int = 2048, ba
             n_bytes += text_bytes
             n_tokens += len(tokens)
             n_rows += len(packed.placements)
+            shown.update(len(packed.placements))
     return _summary(nats, n_bytes, n_tokens, n_rows)
 
 
@@ -143,6 +147,7 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
     """
     import torch
 
+    from csd_pipeline.runtime import progress
     from trainer import distributed
 
     batches = list(eval_batches(aligned_dir, "student", seq_len=seq_len, batch_size=batch_size,
@@ -154,8 +159,10 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
     empty = np.zeros(0, dtype=np.int64)
     was_training = wrapper.training
     wrapper.eval()
-    with torch.no_grad():
+    shown = progress.bar(rounds, "held-out", "batch", leave=False) if ctx.rank == 0 else progress.NullBar()
+    with torch.no_grad(), shown:
         for i in range(rounds):
+            shown.update(1)
             if i < len(batches):
                 packed, positions, tokens, text_bytes = batches[i]
                 input_ids, position_ids = packed.input_ids, packed.position_ids

@@ -175,6 +175,7 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
             **({"chat": chat} if chat else {}),
         },
         extra={"tables": _table_records(student, teachers)},
+        work=lambda spec: sum(segment["count"] for segment in spec["segments"]), work_unit="doc",
     )
     out.mkdir(parents=True, exist_ok=True)
     check_or_record_run(run)
@@ -331,6 +332,7 @@ def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
     import pyarrow.parquet as pq
 
     from csd_pipeline.align.corpus import CorpusFile, ReadOptions, read_segment
+    from csd_pipeline.runtime import progress
     from csd_pipeline.runtime.executor import ShardResult
 
     options = ReadOptions(config["text_field"], config["split_on_blank_lines"], whole_record=bool(config.get("chat")))
@@ -360,6 +362,7 @@ def write_shard(spec: dict, tmp_path: Path, aligner, config: dict):
             file = CorpusFile(segment["path"], segment["source"], segment["format"], 0, 0)
             for document in read_segment(file, segment, options):
                 stats["documents"]["read"] += 1
+                progress.advance(1)
                 if document.text is None:
                     _count(stats["rejected_documents"], document.reason)
                     continue

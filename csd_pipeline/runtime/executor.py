@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import progress
 from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
 
 RUN_NAME = "run.json"
@@ -156,6 +157,8 @@ class StageRun:
       returns a callable `(task: ShardTask, tmp_path: Path) -> ShardResult` that writes the shard.
     - `processor_config`: JSON-able dict passed to that factory.
     - `suffix`: the shard file suffix (".parquet").
+    - `work`, `work_unit`: a shard's units of work from its spec, and their name, for the progress bar
+      (the processor calls `progress.advance` in that unit); None: one per shard.
     """
 
     stage: str
@@ -167,6 +170,8 @@ class StageRun:
     processor_config: dict
     extra: dict = field(default_factory=dict)
     suffix: str = ".parquet"
+    work: Callable[[dict], int] | None = None
+    work_unit: str = "shard"
 
 
 @dataclass
@@ -332,8 +337,9 @@ def _load_processor(processor: str, config: dict):
     return getattr(importlib.import_module(module_name), attr)(config)
 
 
-def _init_worker(processor: str, config: dict) -> None:
+def _init_worker(processor: str, config: dict, counter=None) -> None:
     global _WORKER_PROCESSOR
+    progress.use_counter(counter)
     _WORKER_PROCESSOR = _load_processor(processor, config)
 
 
@@ -375,7 +381,9 @@ def _write_shard(processor, task: dict, directory: str, suffix: str) -> dict:
 
 
 def _worker_write_shard(task: dict, directory: str, suffix: str) -> dict:
-    return _write_shard(_WORKER_PROCESSOR, task, directory, suffix)
+    marker = _write_shard(_WORKER_PROCESSOR, task, directory, suffix)
+    progress.shard_finished()
+    return marker
 
 
 def _remove_stale_tmp(directory: Path, names: list[str], suffix: str) -> None:
@@ -410,19 +418,22 @@ def run_stage(run: StageRun, *, rank: int = 0, world_size: int = 1, workers: int
         log(f"rank {rank}: {len(skipped)} of {len(mine)} shards already complete, resuming.")
     _remove_stale_tmp(out, [t.name for t in pending], run.suffix)
     workers = max(1, min(workers, len(pending)))
-    if pending and workers == 1:
-        processor = _load_processor(run.processor, run.processor_config)
-        for task in pending:
-            marker = _write_shard(processor, task.to_json(), str(out), run.suffix)
-            log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
-    elif pending:
-        _run_in_workers(run, pending, workers, out, rank, log)
+    with progress.StageProgress(run.stage, pending, run.work, run.work_unit, rank) as tracker:
+        log = tracker.wrap_log(log)
+        if pending and workers == 1:
+            processor = _load_processor(run.processor, run.processor_config)
+            for task in pending:
+                marker = _write_shard(processor, task.to_json(), str(out), run.suffix)
+                tracker.shard_done(task)
+                log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+        elif pending:
+            _run_in_workers(run, pending, workers, out, rank, log, tracker)
     _write_rank_stats(out, run, rank, world_size)
     manifest = finalize(out, log=log)
     return RunReport(rank, world_size, [t.name for t in pending], skipped, manifest is not None, manifest is not None)
 
 
-def _run_in_workers(run: StageRun, pending: list[ShardTask], workers: int, out: Path, rank: int, log) -> None:
+def _run_in_workers(run: StageRun, pending: list[ShardTask], workers: int, out: Path, rank: int, log, tracker) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
@@ -430,10 +441,11 @@ def _run_in_workers(run: StageRun, pending: list[ShardTask], workers: int, out: 
     context = multiprocessing.get_context("spawn")
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(run.processor, run.processor_config)) as pool:
-            futures = [pool.submit(_worker_write_shard, task.to_json(), str(out), run.suffix) for task in pending]
+                                 initargs=(run.processor, run.processor_config, tracker.worker_counter())) as pool:
+            futures = {pool.submit(_worker_write_shard, task.to_json(), str(out), run.suffix): task for task in pending}
             for future in as_completed(futures):
                 marker = future.result()
+                tracker.shard_done(futures[future])
                 log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
     except BrokenProcessPool:
         raise CsdError(

@@ -388,6 +388,7 @@ def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, 
         # Extra keys are recorded in run.json too, so they must not change between re-runs: absolute paths.
         extra={"sources": {"aligned": str(aligned_dir.resolve()), "teacher": str(loaded.path.resolve() / (loaded.gguf_file or "")),
                            "teacher_tokenizer": record.get("name")}},
+        work=lambda spec: spec["rows"], work_unit="row",
     )
     try:
         return run_stage(run, rank=rank, world_size=world_size, workers=workers,

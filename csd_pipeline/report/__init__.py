@@ -1,0 +1,1 @@
+"""Statistics and reports of stage outputs: `csd-pipeline inspect` tables and `csd-pipeline report`."""
