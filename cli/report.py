@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import click
 
+from csd_pipeline.report import TEACHER_ROWS
+
 
 @click.command()
 @click.argument("directories", nargs=-1, required=True, type=click.Path())
 @click.option("--output", required=True, type=click.Path(), help="Folder for report.md and its PNG plots.")
 @click.option("--title", default="csd-pipeline report", show_default=True, help="The report's heading.")
-@click.option("--teacher-rows", default=2000, show_default=True,
+@click.option("--teacher-rows", default=TEACHER_ROWS, show_default=True,
               help="Rows read per teacher output for the teacher mass on explicit events.")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def report(directories, output, title, teacher_rows, quiet):

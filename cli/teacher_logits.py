@@ -40,8 +40,8 @@ def teacher_logits(aligned, teacher, output, teacher_index, top_k, batch_tokens,
                    block_positions, skip_tokenizer_check, workers, rank, world_size, trust_remote_code, quiet):
     """Store the teacher's top-k log-probabilities for every aligned teacher position (SPEC §6); re-running
     resumes, and `torchrun --nproc-per-node N` splits the shards over N processes."""
-    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
     from csd_pipeline.runtime.progress import set_quiet
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
 
     config = TeacherLogitsConfig(
         aligned=aligned, teacher=teacher, output=output, teacher_index=teacher_index, top_k=top_k,

@@ -87,7 +87,7 @@ def test_quiet_and_logs_show_no_bar():
 
 
 @pytest.mark.slow
-def test_align_bar_counts_every_document_with_workers(tmp_path, tables_for, tokenizer_path):
+def test_align_bar_counts_every_document_with_workers(tmp_path, tables_for, tokenizer_path):  # noqa: F811
     corpus = [str(DATA / "devil-slice.txt"), str(DATA / "kjv-genesis-slice.txt")]
     base = [sys.executable, "-m", "cli.main", "align", "--corpus", corpus[0], "--corpus", corpus[1],
             "--split-on-blank-lines", "--student-tokenizer", str(tokenizer_path("llama-spm")),

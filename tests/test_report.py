@@ -107,7 +107,7 @@ def test_inspect_tables_equal_a_brute_force_count(trainer_data):
 
 
 @pytest.mark.slow
-def test_inspect_tables_of_a_chat_output(tmp_path, tables_for, tokenizer_path):
+def test_inspect_tables_of_a_chat_output(tmp_path, tables_for, tokenizer_path):  # noqa: F811
     # chat mode counts every token of a rendering (no context-token head) and the supervised ones
     from csd_pipeline.align.stage import AlignConfig, run_align
 

@@ -7,7 +7,7 @@ of this per step (`teacher_event_mass`); here it is computed from the stored top
 needed, per chunk, so its distribution can be drawn. Also the stored top-k's own mass per position.
 
 Rows come from evenly spaced shards of the teacher output, `max_rows` in all (the event enumeration
-is Python per chunk, about a few thousand rows a second), and the report says how many were read.
+is Python per chunk, a few thousand chunks a second), and the report says how many were read.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.report import TEACHER_ROWS
 from schemas.aligned import SHAPES, teacher_columns
 
 
@@ -91,7 +92,7 @@ def _spread(shards: list[dict], max_rows: int) -> list[tuple[int, int]]:
     return plan
 
 
-def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = 2000, advance=None) -> TeacherCoverage:
+def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = TEACHER_ROWS, advance=None) -> TeacherCoverage:
     """The `TeacherCoverage` of a teacher-logits output over at most `max_rows` rows.
 
     `aligned_dir`: the aligned folder it was computed from (see `matching_aligned`). `advance(n)`:
@@ -116,7 +117,8 @@ def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = 2000, advance=
     read = rejected = events = 0
     for shard_index, take in _spread(manifest["shards"], max_rows):
         name = manifest["shards"][shard_index]["file"]
-        rows = pq.read_table(aligned_dir / aligned["shards"][shard_index]["file"], columns=columns).slice(0, take)
+        # ParquetFile, not read_table: that one imports pyarrow.dataset (and pandas with it), seconds for nothing
+        rows = pq.ParquetFile(aligned_dir / aligned["shards"][shard_index]["file"]).read(columns=columns).slice(0, take)
         topk = read_teacher_shard(teacher_dir, name)
         for r, row in enumerate(rows.to_pylist()):
             stored = topk[r]
@@ -131,7 +133,10 @@ def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = 2000, advance=
             topk_mass.append(np.exp(stored.logprobs.astype(np.float64)).sum(axis=1))
         if advance is not None:
             advance(len(rows))
-    flat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
     return TeacherCoverage(rows_read=read, rows_total=int(manifest["totals"]["rows"]), rows_rejected=rejected,
-                           top_k=int(manifest.get("config", {}).get("top_k", 0)), mass=flat(masses, np.float64),
-                           shape=flat(shapes, np.int64), events=events, topk_mass=flat(topk_mass, np.float64))
+                           top_k=int(manifest.get("config", {}).get("top_k", 0)), mass=_flat(masses, np.float64),
+                           shape=_flat(shapes, np.int64), events=events, topk_mass=_flat(topk_mass, np.float64))
+
+
+def _flat(parts: list, dtype) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)

@@ -208,18 +208,23 @@ def heldout(runs, out: Path, name: str) -> str | None:
 
 def event_coverage(runs, out: Path, name: str) -> str | None:
     """Teacher mass on explicit events and student REST mass during training (CSD runs)."""
-    drawn = [(i, r) for i, r in enumerate(runs) if r.series("teacher_event_mass")[0]]
+    # one teacher: `teacher_event_mass`; several: `teacher{i}_teacher_event_mass` (trainer.loop)
+    prefixes = [(i, r, sorted({k[:-len("teacher_event_mass")] for rec in r.steps[:1] for k in rec
+                               if k.endswith("teacher_event_mass")})) for i, r in enumerate(runs)]
+    drawn = [(i, r, p) for i, r, p in prefixes if p]
     if not drawn:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    for i, run in drawn:
+    for i, run, found in drawn:
         color = COLORS[i % len(COLORS)]
-        for key, style, what in (("teacher_event_mass", "-", "teacher mass on explicit events"),
-                                 ("student_rest_mass", "--", "student REST mass")):
-            steps, values = run.series(key)
-            if steps:
-                ax.plot(steps, _smooth(values), color=color, ls=style, lw=1.4, label=f"{run.label}: {what}")
+        for prefix in found:
+            for key, style, what in (("teacher_event_mass", "-", "teacher mass on explicit events"),
+                                     ("student_rest_mass", "--", "student REST mass")):
+                steps, values = run.series(prefix + key)
+                if steps:
+                    ax.plot(steps, _smooth(values), color=color, ls=style, lw=1.4,
+                            label=f"{run.label}{' ' + prefix.rstrip('_') if prefix else ''}: {what}")
     ax.set(title="event coverage during training", xlabel="step", ylabel="probability mass", ylim=(0, 1))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csd_pipeline.report import plots
+from csd_pipeline.report import TEACHER_ROWS, plots
 from csd_pipeline.report.folders import Folder, labels, read_run, recognise
 from schemas.aligned import SHAPES
 
@@ -19,7 +19,7 @@ REPORT_NAME = "report.md"
 
 
 def write_report(directories: list, output, *, title: str = "csd-pipeline report", preface: list[str] | None = None,
-                 teacher_rows: int = 2000, progress_bar=None) -> Path:
+                 teacher_rows: int = TEACHER_ROWS, progress_bar=None) -> Path:
     """Write `output/report.md` and its PNGs for `directories`; return the report's path.
 
     `preface`: Markdown lines put under the title (the demo's scores). `teacher_rows`: rows read per

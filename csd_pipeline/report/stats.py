@@ -20,7 +20,6 @@ dropped) stays in the manifest's totals; `inspect_summary` joins the two.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from schemas.aligned import SHAPES, ChunkStatus, teacher_columns
 
