@@ -11,6 +11,18 @@ from csd_pipeline.errors import CsdError
 from schemas.aligned import SHAPES
 
 DPI = 110
+# What each chunk status means, in a few words (schemas/aligned.py has the full story).
+STATUS_MEANING = {
+    "ACCEPTED": "enters the KD loss",
+    "SPECIAL": "context token at the row's head",
+    "NO_PREDICTOR": "first chunk, no context token before it",
+    "WHITESPACE_GAP_WITHOUT_SOURCE": "whitespace the source does not confirm",
+    "MISMATCH": "a run spells other bytes than the source",
+    "OUTSIDE_LOSS_REGION": "chat: outside the final assistant message",
+    "UNTRUSTED_TOKEN": "a token without a trusted spelling",
+    "DUMMY_PREFIX": "SentencePiece: the document's leading space",
+    "TOO_LONG": "longer than a window (reserved)",
+}
 COLORS = ("#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb")
 
 
@@ -65,13 +77,14 @@ def chunks(tables, out: Path, name: str) -> str | None:
     left.set_ylim(0.8, max(max(tables.chunk_shapes[t].values()) for t in teachers) * 4)
     if len(teachers) > 1:
         left.legend(loc="upper right")
-    rows = [(f"{status} ({teacher})" if len(teachers) > 1 else status, n)
+    rows = [(status + (f" ({teacher})" if len(teachers) > 1 else "") + f"\n{STATUS_MEANING.get(status, '')}", n)
             for teacher in teachers for status, n in tables.chunk_status[teacher].items()
             if status != "ACCEPTED" and n]
     if rows:
         bars = right.barh([r[0] for r in rows][::-1], [r[1] for r in rows][::-1], color="#cc6677")
         _label_bars(right, bars, [r[1] for r in rows][::-1], horizontal=True)
         right.margins(x=0.3)
+        right.tick_params(axis="y", labelsize=8)
     else:
         right.text(0.5, 0.5, "every chunk accepted", ha="center", va="center", transform=right.transAxes)
         right.set_yticks([])

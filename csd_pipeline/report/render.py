@@ -89,8 +89,9 @@ def _aligned_section(folder: Folder, name: str, out: Path, stem: str) -> list[st
                   f"({_share(accepted, content)}).", ""]
         lines += _table(["shape (student:teacher)", "accepted chunks", "share"],
                         [[s, f"{shapes[s]:,}", _share(shapes[s], accepted)] for s in SHAPES])
-        lines += _table(["status", "chunks", "share of all chunks"],
-                        [[k, f"{v:,}", _share(v, sum(status.values()))] for k, v in status.items() if v])
+        lines += _table(["status", "meaning", "chunks", "share of all chunks"],
+                        [[k, plots.STATUS_MEANING.get(k, ""), f"{v:,}", _share(v, sum(status.values()))]
+                         for k, v in status.items() if v])
     rejected = {**stats.get("rejected_documents", {}),
                 **{f"window regions: {k}": v for k, v in stats.get("rejected_regions", {}).items()}}
     if any(rejected.values()):
