@@ -5,6 +5,7 @@ known by their manifest's stage) or a csd-train run (known by its `metrics.jsonl
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,5 +98,6 @@ def read_run(folder: Folder, label: str) -> TrainingRun:
 
 def labels(folders: list[Folder]) -> list[str]:
     """Short, distinct names for the folders: the folder name, with its parent's when two share it."""
-    names = [f.path.resolve().name for f in folders]
-    return [f"{f.path.resolve().parent.name}/{n}" if names.count(n) > 1 else n for f, n in zip(folders, names)]
+    paths = [Path(os.path.abspath(f.path)) for f in folders]  # not resolve(): a link keeps the name it was given
+    names = [p.name for p in paths]
+    return [f"{p.parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(paths, names)]

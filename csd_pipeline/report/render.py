@@ -150,7 +150,8 @@ def _training_section(runs, out: Path) -> list[str]:
         loss = run.config.get("loss", "?")
         rows.append([run.label, f"`{loss}`" + (f" {run.config.get('divergence', '')}" if loss != "ce" else ""),
                      f"{last.get('step', 0)} / {run.config.get('steps', '?')}",
-                     *(f"{last[k]:.4f}" if isinstance(last.get(k), (int, float)) else "-" for k in ("loss", "ce", "kd")),
+                     *(f"{last[k]:.4f}" if isinstance(last.get(k), (int, float)) and not (k == "kd" and loss == "ce")
+                       else "-" for k in ("loss", "ce", "kd")),
                      f"{bpb[-1]:.4f} (step {steps[-1]})" if bpb else "-", f"{min(bpb):.4f}" if bpb else "-"])
     lines += _table(["run", "loss", "steps", "last loss", "last CE", "last KD", "held-out bits/byte", "best"], rows)
     return lines + _images(plots.training_curves(runs, out, "training-curves.png"),
