@@ -162,7 +162,6 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
     shown = progress.bar(rounds, "held-out", "batch", leave=False) if ctx.rank == 0 else progress.NullBar()
     with torch.no_grad(), shown:
         for i in range(rounds):
-            shown.update(1)
             if i < len(batches):
                 packed, positions, tokens, text_bytes = batches[i]
                 input_ids, position_ids = packed.input_ids, packed.position_ids
@@ -177,6 +176,7 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
             n_bytes += text_bytes
             n_tokens += len(tokens)
             n_rows += len(packed.placements) if i < len(batches) else 0
+            shown.update(1)
     wrapper.train(was_training)
     nats, n_bytes, n_tokens, n_rows = distributed.all_reduce_sum([nats, n_bytes, n_tokens, n_rows], ctx.device)
     return _summary(nats, int(n_bytes), int(n_tokens), int(n_rows))
