@@ -2,10 +2,10 @@
 
 Each `bench/bench_<topic>.py` exposes `run(quick=False) -> {"name", "metrics", "checks"}`; checks
 are ratios measured inside one run, so a noisy shared machine slows both sides alike.
-`python bench/run_all.py [--quick] [--corpus DIR] [topic ...]` runs a subset. The benchmarks that
-read text (align, chat, teacher, train) use the committed slices in tests/data unless `--corpus DIR`
-names a folder with the full files (python-docs.txt, python-faq-chat.jsonl, botchan.txt, ...; see
-each module's docstring).
+`python bench/run_all.py [--quick] [--corpus DIR] [--inspect-gb GB] [topic ...]` runs a subset. The
+benchmarks that read text (align, chat, teacher, train) use the committed slices in tests/data unless
+`--corpus DIR` names a folder with the full files (python-docs.txt, python-faq-chat.jsonl, botchan.txt,
+...; see each module's docstring); `--inspect-gb` sizes the output `bench_inspect` scans (default 0.1 GiB).
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPICS = ("tables", "align", "chat", "teacher", "loss", "train")
+TOPICS = ("tables", "align", "chat", "teacher", "loss", "train", "inspect")
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
     parser.add_argument("--corpus", type=Path, default=None, help="folder with the full corpus files (default: tests/data slices)")
+    parser.add_argument("--inspect-gb", type=float, default=None, help="size of the output bench_inspect scans, GiB")
     parser.add_argument("topics", nargs="*", help=f"a subset of {', '.join(TOPICS)}")
     args = parser.parse_args(argv)
     quick, topics = args.quick, args.topics or list(TOPICS)
@@ -43,6 +44,8 @@ def main(argv: list[str]) -> int:
         print(f"[bench] {topic} ...", file=sys.stderr, flush=True)
         try:
             options = {"corpus": args.corpus} if "corpus" in inspect.signature(module.run).parameters else {}
+            if topic == "inspect" and args.inspect_gb is not None:
+                options["gb"] = args.inspect_gb
             result = module.run(quick=quick, **options)
         except Exception as err:  # a broken benchmark is reported, the others still run
             traceback.print_exc()

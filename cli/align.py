@@ -52,9 +52,11 @@ def _table_pairs(ctx, param, pairs):
 def align(workers, rank, world_size, quiet, **options):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""
     from csd_pipeline.align.stage import run_align
+    from csd_pipeline.runtime.progress import set_quiet
 
     config = AlignConfig(**values_for(AlignConfig, options))
     log = None if quiet else (lambda message: click.echo(message, err=True))
+    set_quiet(quiet)
     report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if report.complete:
         _refuse_empty(config.output)

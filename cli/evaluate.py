@@ -23,12 +23,15 @@ import click
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repository's own code (off by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bits_per_byte(aligned, model_arg, side, seq_len, batch_size, max_rows, device, trust_remote_code, as_json):
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def bits_per_byte(aligned, model_arg, side, seq_len, batch_size, max_rows, device, trust_remote_code, as_json, quiet):
     """Held-out bits per byte of MODEL on the aligned folder's text."""
     from csd_pipeline.errors import CsdError
     from csd_pipeline.evaluation.bits_per_byte import bits_per_byte as score
     from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.runtime.progress import set_quiet
 
+    set_quiet(quiet)
     if side == "student":
         which = "student"
     elif side.startswith("teacher") and side[len("teacher"):].isdigit():

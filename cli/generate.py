@@ -37,9 +37,11 @@ def generate(workers, rank, world_size, quiet, **options):
     """Sample completions from the student for every prompt (docs/ONPOLICY.md); re-running resumes, and the
     output folder is a corpus for `csd-pipeline align`."""
     from csd_pipeline.generate.stage import run_generate
+    from csd_pipeline.runtime.progress import set_quiet
 
     config = GenerateConfig(**values_for(GenerateConfig, options))
     log = None if quiet else (lambda message: click.echo(message, err=True))
+    set_quiet(quiet)
     report = run_generate(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if not quiet:
         echo_run_report(config.output, report)

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "rounds": "cli.rounds:rounds",
     "status": "cli.outputs:status",
     "inspect": "cli.outputs:inspect",
+    "report": "cli.report:report",
     "bits-per-byte": "cli.evaluate:bits_per_byte",
     "fixtures": "cli.fixtures:fixtures",
 }
@@ -32,6 +33,7 @@ HELP_LINES = {
     "rounds": "On-policy rounds: generate, align, teacher-logits, train, export; R times.",
     "status": "Say which shards of a stage output are complete and what is missing.",
     "inspect": "Summarise a stage output: rows, tokens, chunk shapes, rejections.",
+    "report": "Write a Markdown report with plots of aligned, teacher and training outputs.",
     "bits-per-byte": "Held-out bits per byte of a model on an aligned folder (any tokenizer).",
     "fixtures": "Fetch, convert and verify the real tokenizer and model fixtures.",
 }

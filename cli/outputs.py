@@ -38,39 +38,20 @@ def status(directory, finalize, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(directory, as_json):
     """Summarise a stage output from its manifest: rows, tokens, chunk shapes, rejections."""
-    report = summarise(directory)
+    from csd_pipeline.report.stats import inspect_summary, source_lines
+
+    report = inspect_summary(directory)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True))
         return
     click.echo(f"{directory}: {report['stage']} output, schema version {report['schema_version']}")
     click.echo(f"shards: {report['shards']}, rows: {report['rows']}, bytes on disk: {report['bytes_on_disk']}")
-    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections", "chat"):
+    for key in ("windows", "documents", "tokens", "bytes_per_token", "chunk_status", "chunk_shapes", "rejections", "chat",
+                "window_tokens"):
         if key in report:
             click.echo(f"{key}: {json.dumps(report[key], sort_keys=True)}")
-
-
-def summarise(directory) -> dict:
-    """The `inspect` report of a stage output: its totals, and for an aligned output what
-    `AlignedOutput.summary` adds (tokens, bytes/token, shapes, rejections); other stages' stats as they are."""
-    from csd_pipeline.align.output import AlignedOutput
-    from csd_pipeline.runtime.manifest import read_manifest
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
-    from schemas.aligned import STAGE as ALIGN_STAGE
-    from schemas.teacher_topk import STAGE as TEACHER_STAGE
-
-    manifest = read_manifest(directory)  # any stage; the output's own reader checks its schema version
-    if manifest["stage"] == ALIGN_STAGE:
-        aligned = AlignedOutput.open(directory)
-        return {**_totals(aligned.manifest), **aligned.summary()}
-    if manifest["stage"] == TEACHER_STAGE:
-        manifest = TeacherTopkOutput.open(directory).manifest
-    return {**_totals(manifest), "stats": manifest["totals"].get("stats", {})}
-
-
-def _totals(manifest: dict) -> dict:
-    totals = manifest["totals"]
-    return {"stage": manifest["stage"], "schema_version": manifest["schema_version"], "shards": totals["shards"],
-            "rows": totals["rows"], "bytes_on_disk": totals["bytes"]}
+    for line in source_lines(report.get("sources", [])):
+        click.echo(line)
 
 
 def echo_run_report(output, report) -> None:

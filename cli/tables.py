@@ -23,9 +23,11 @@ def tables():
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, quiet):
     """Build the (source -> destination) table."""
+    from csd_pipeline.runtime.progress import set_quiet
     from csd_pipeline.vocab.tables import build_table
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
+    set_quiet(quiet)
     source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
     destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code)
     table = build_table(source, destination)

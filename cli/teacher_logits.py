@@ -32,10 +32,12 @@ from csd_pipeline.teacher.config import TeacherLogitsConfig
 def teacher_logits(workers, rank, world_size, quiet, **options):
     """Store the teacher's top-k log-probabilities for every aligned teacher position (SPEC §6); re-running
     resumes, and `torchrun --nproc-per-node N` splits the shards over N processes."""
+    from csd_pipeline.runtime.progress import set_quiet
     from csd_pipeline.teacher.stage import run_teacher_logits
 
     config = TeacherLogitsConfig(**values_for(TeacherLogitsConfig, options))
     log = None if quiet else (lambda message: click.echo(message, err=True))
+    set_quiet(quiet)
     report = run_teacher_logits(config, rank=rank, world_size=world_size, workers=workers, log=log)
     if not quiet:
         echo_run_report(config.output, report)

@@ -20,6 +20,7 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
     """
     import torch
 
+    from csd_pipeline.runtime import progress
     from trainer import distributed
 
     batches = list(eval_batches(aligned_dir, "student", seq_len=seq_len, batch_size=batch_size,
@@ -31,7 +32,8 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
     empty = np.zeros(0, dtype=np.int64)
     was_training = wrapper.training
     wrapper.eval()
-    with torch.no_grad():
+    shown = progress.bar(rounds, "held-out", "batch", leave=False) if ctx.rank == 0 else progress.NullBar()
+    with torch.no_grad(), shown:
         for i in range(rounds):
             if i < len(batches):
                 packed, positions, tokens, text_bytes = batches[i]
@@ -47,6 +49,7 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
             n_bytes += text_bytes
             n_tokens += len(tokens)
             n_rows += len(packed.placements) if i < len(batches) else 0
+            shown.update(1)
     wrapper.train(was_training)
     nats, n_bytes, n_tokens, n_rows = distributed.all_reduce_sum([nats, n_bytes, n_tokens, n_rows], ctx.device)
     return summary(nats, int(n_bytes), int(n_tokens), int(n_rows))

@@ -1,4 +1,5 @@
-"""Per-step metrics: `OUTPUT/metrics.jsonl`, a progress bar on stderr, TensorBoard if installed.
+"""Per-step metrics: `OUTPUT/metrics.jsonl`, a progress bar on stderr (a terminal only, see
+`csd_pipeline.runtime.progress`), TensorBoard if installed.
 
 Only rank 0 writes. Values logged are already global (all-reduced by the loop). On resume the
 file is cut back to the resumed step, so a stopped-and-resumed run ends with the same lines
@@ -59,7 +60,9 @@ class MetricsLogger:
         truncate_jsonl(self.eval_path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if progress:
-            self._bar = _progress_bar(total_steps, start_step)
+            from csd_pipeline.runtime.progress import bar
+
+            self._bar = bar(total_steps, "train", "step", initial=start_step)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -118,31 +121,3 @@ class MetricsLogger:
         if self._tensorboard is not None:
             self._tensorboard.close()
 
-
-def _progress_bar(total: int, initial: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _PlainBar(total, initial)
-    return tqdm(total=total, initial=initial, file=sys.stderr, unit="step", dynamic_ncols=True)
-
-
-class _PlainBar:
-    """A minimal stand-in for tqdm: one line per 10% of the run."""
-
-    def __init__(self, total: int, initial: int):
-        self.total, self.n, self.postfix = total, initial, ""
-
-    def update(self, n: int) -> None:
-        self.n += n
-        if self.total and (self.n * 10 // self.total) != ((self.n - n) * 10 // self.total):
-            print(f"step {self.n}/{self.total} {self.postfix}", file=sys.stderr)
-
-    def set_postfix_str(self, text: str, refresh: bool = False) -> None:
-        self.postfix = text
-
-    def write(self, text: str, file=None) -> None:
-        print(text, file=file or sys.stderr)
-
-    def close(self) -> None:
-        pass

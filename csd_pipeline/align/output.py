@@ -3,8 +3,8 @@
 `AlignedOutput` owns what a reader needs to know of the format: the manifest keys (config,
 tokenizers, tables), the shard list (from the manifest, never a glob of the folder), the column
 names of the student and of each teacher (`schemas/aligned.py` names them) and the reading of
-shard columns. Every later stage (teacher-logits, the trainer, bits-per-byte, `inspect`) reads
-aligned outputs through it. Errors are `CsdError`s naming the directory and what to re-run.
+shard columns. Every later stage (teacher-logits, the trainer, bits-per-byte, `inspect`, `report`)
+reads aligned outputs through it. Errors are `CsdError`s naming the directory and what to re-run.
 """
 
 from __future__ import annotations
@@ -38,6 +38,16 @@ class SideColumns:
     ids: str
     chunk_len: str
     chunk_status: str
+
+
+@dataclass(frozen=True)
+class ChunkColumns:
+    """The chunk columns against teacher i: each chunk's length on the student side and on the
+    teacher side, and its status (`schemas.aligned.ChunkStatus`)."""
+
+    student_len: str
+    teacher_len: str
+    status: str
 
 
 @dataclass(frozen=True)
@@ -160,37 +170,6 @@ class AlignedOutput:
 
         return check_table_fingerprints(self.manifest, self.directory, index)
 
-    # -- stats ----------------------------------------------------------------------------
-
-    def summary(self) -> dict:
-        """What `csd-pipeline inspect` reports of the totals: windows, documents, tokens, bytes per
-        token, chunk statuses and accepted shapes per teacher, rejections (and chat-mode counts)."""
-        stats = self.manifest["totals"].get("stats", {})
-        tokens = stats.get("tokens", {})
-        text_bytes = stats.get("bytes", {}).get("windows", 0)
-        teachers = [f"teacher{i}" for i in range(self.num_teachers) if f"teacher{i}" in stats]
-        report = {
-            "windows": stats.get("windows", 0),
-            "documents": stats.get("documents", {}),
-            "tokens": tokens,
-            "text_bytes": text_bytes,
-            "bytes_per_token": {side: round(text_bytes / n, 4) if n else None for side, n in tokens.items()},
-            "chunk_status": {t: stats[t]["chunk_status"] for t in teachers},
-            "chunk_shapes": {t: stats[t]["accepted_shapes"] for t in teachers},
-            "rejections": {
-                "documents": stats.get("rejected_documents", {}),
-                "window_regions": stats.get("rejected_regions", {}),
-                "window_region_bytes": stats.get("rejected_region_bytes", 0),
-                "chunks": {t: {k: v for k, v in stats[t]["chunk_status"].items() if k not in ("ACCEPTED", "SPECIAL") and v}
-                           for t in teachers},
-            },
-        }
-        if "chat" in stats:  # chat mode: supervised (loss-mask) tokens and bytes, first chunks dropped from KD
-            rows = stats.get("windows", 0)
-            per_row = round(stats["chat"].get("supervised_student_tokens", 0) / rows, 2) if rows else None
-            report["chat"] = {**stats["chat"], "supervised_student_tokens_per_row": per_row}
-        return report
-
     # -- columns --------------------------------------------------------------------------
 
     def side_columns(self, side) -> SideColumns:
@@ -200,6 +179,12 @@ class AlignedOutput:
             return SideColumns(STUDENT_COLUMNS[0], student_len, status)
         ids, _, teacher_len, status = teacher_columns(int(side))
         return SideColumns(ids, teacher_len, status)
+
+    @staticmethod
+    def chunk_columns(index: int) -> ChunkColumns:
+        """The chunk columns against teacher `index`."""
+        _, student_len, teacher_len, status = teacher_columns(index)
+        return ChunkColumns(student_len, teacher_len, status)
 
     @staticmethod
     def training_columns(teacher_indices) -> list[str]:

@@ -85,11 +85,13 @@ class AlignShardWriter:
 def _documents(segments: list[dict], options, stats: dict):
     """The shard's documents in order; rejected and empty ones are counted in `stats`, not yielded."""
     from csd_pipeline.align.corpus import CorpusFile, read_segment
+    from csd_pipeline.runtime import progress
 
     for segment in segments:
         file = CorpusFile.from_spec(segment)
         for document in read_segment(file, segment, options):
             stats["documents"]["read"] += 1
+            progress.advance(1)
             if document.text is None:
                 _count(stats["rejected_documents"], document.reason)
             elif not document.text:

@@ -45,6 +45,7 @@ class AlignStage(Stage):
 
     name = STAGE
     schema_version = SCHEMA_VERSION
+    work_unit = "doc"
 
     def __init__(self, config: AlignConfig, tokenizers: AlignTokenizers | None = None):
         from csd_pipeline.align.corpus import discover
@@ -147,6 +148,10 @@ class AlignStage(Stage):
 
     def shard_writer(self) -> AlignShardWriter:
         return AlignShardWriter(self.config, self.chat, self.tokenizers)
+
+    def work(self, spec: dict) -> int:
+        """The shard's documents (records or blank-line blocks): the writer advances the bar by each one read."""
+        return sum(segment["count"] for segment in spec["segments"])
 
 
 def _copy_table(given, target: Path) -> None:

@@ -91,12 +91,15 @@ def bits_per_byte(model, aligned_dir, side="student", *, seq_len: int, batch_siz
     """
     import torch
 
+    from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.loss.token_logprobs import chunked_token_logprobs
+    from csd_pipeline.runtime import progress
 
     device = next(model.parameters()).device
     nats, n_bytes, n_tokens, n_rows = 0.0, 0, 0, 0
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    with torch.no_grad():
+    rows = AlignedOutput.open(aligned_dir).total_rows
+    with torch.no_grad(), progress.bar(min(rows, max_rows or rows), "bits per byte", "row") as shown:
         for packed, positions, tokens, text_bytes in eval_batches(
                 aligned_dir, side, seq_len=seq_len, batch_size=batch_size, max_rows=max_rows,
                 fingerprint=fingerprint):
@@ -110,6 +113,7 @@ def bits_per_byte(model, aligned_dir, side="student", *, seq_len: int, batch_siz
             n_bytes += text_bytes
             n_tokens += len(tokens)
             n_rows += len(packed.placements)
+            shown.update(len(packed.placements))
     return summary(nats, n_bytes, n_tokens, n_rows)
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import progress
 from csd_pipeline.runtime.files import atomic_write_json, commit, file_sha256, remove_tmp_files, tmp_path
 from csd_pipeline.runtime.io_errors import discard, reason_and_advice
 from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
@@ -143,14 +144,17 @@ class Stage:
       shard; each worker process gets a copy;
     - optionally `manifest_extra()` (more manifest keys that do not decide identity; recorded in
       run.json, so they must not change between re-runs), `prepare(log)` (runs once the run
-      is recorded, before any shard) and `check_recorded(tasks)` (refuses the tasks of an edited
-      run.json before a shard is written).
+      is recorded, before any shard), `check_recorded(tasks)` (refuses the tasks of an edited
+      run.json before a shard is written) and `work(spec)` with `work_unit`: a shard's units of
+      work for the progress bar, the unit in which its writer calls `progress.advance` (default:
+      one per shard).
     """
 
     name: str
     schema_version: int
     output_dir: Path
     suffix: str = ".parquet"
+    work_unit: str = "shard"
 
     def identity(self, world_size: int) -> dict:
         raise NotImplementedError
@@ -169,6 +173,9 @@ class Stage:
 
     def check_recorded(self, tasks: list[ShardTask]) -> None:
         return None
+
+    def work(self, spec: dict) -> int:
+        return 1
 
 
 @dataclass
@@ -237,13 +244,16 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
     remove_tmp_files(out, [f"{t.name}{stage.suffix}" for t in pending])
     remove_dead_writers_tmp(out)  # markers, stats, run.json, manifest of killed writers on this host
     workers = max(1, min(placement.workers, len(pending)))
-    if pending and workers == 1:
-        writer = stage.shard_writer()
-        for task in pending:
-            marker = _write_shard(writer, task, out, stage.suffix)
-            log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
-    elif pending:
-        _run_in_workers(stage, pending, workers, out, rank, log)
+    with progress.StageProgress(stage.name, pending, stage.work, stage.work_unit, rank) as tracker:
+        log = tracker.wrap_log(log)
+        if pending and workers == 1:
+            writer = stage.shard_writer()
+            for task in pending:
+                marker = _write_shard(writer, task, out, stage.suffix)
+                tracker.shard_done(task)
+                log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+        elif pending:
+            _run_in_workers(stage, pending, workers, out, rank, log, tracker)
     write_rank_stats(out, record, rank, world_size)
     manifest = finalize(out, log=log)
     return RunReport(rank, world_size, [t.name for t in pending], skipped, manifest is not None, manifest is not None)
@@ -297,16 +307,20 @@ def _write_shard(writer, task: ShardTask, out: Path, suffix: str) -> dict:
 _worker_writer = None
 
 
-def _start_worker(writer) -> None:
+def _start_worker(writer, counter=None) -> None:
     global _worker_writer
     _worker_writer = writer
+    progress.use_counter(counter)
 
 
 def _worker_write_shard(task: ShardTask, out: Path, suffix: str) -> dict:
-    return _write_shard(_worker_writer, task, out, suffix)
+    marker = _write_shard(_worker_writer, task, out, suffix)
+    progress.shard_finished()
+    return marker
 
 
-def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: Path, rank: int, log) -> None:
+def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: Path, rank: int, log,
+                    tracker: progress.StageProgress) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
@@ -314,11 +328,12 @@ def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: P
     context = multiprocessing.get_context("spawn")
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                                 initargs=(stage.shard_writer(),)) as pool:
-            futures = [pool.submit(_worker_write_shard, task, out, stage.suffix) for task in pending]
+                                 initargs=(stage.shard_writer(), tracker.worker_counter())) as pool:
+            futures = {pool.submit(_worker_write_shard, task, out, stage.suffix): task for task in pending}
             try:
                 for future in as_completed(futures):
                     marker = future.result()
+                    tracker.shard_done(futures[future])
                     log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)  # one shard failed: start no other

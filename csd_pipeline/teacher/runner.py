@@ -201,8 +201,11 @@ class TeacherRunner:
 
     def run(self, rows: list[np.ndarray]) -> list[RowTopk]:
         """The `RowTopk` of every row (int teacher ids, each non-empty), in the given order."""
+        from csd_pipeline.runtime import progress
+
         results: list[RowTopk | None] = [None] * len(rows)
         for batch in plan_batches([len(r) for r in rows], self.batch_tokens):
             for index, result in zip(batch, self._run_batch([rows[i] for i in batch])):
                 results[index] = result
+            progress.advance(len(batch))
         return results

@@ -46,6 +46,7 @@ class TeacherLogitsStage(Stage):
 
     name = STAGE
     schema_version = SCHEMA_VERSION
+    work_unit = "row"
 
     def __init__(self, config: TeacherLogitsConfig, log=None):
         from csd_pipeline.align.output import AlignedOutput
@@ -134,6 +135,10 @@ class TeacherLogitsStage(Stage):
         return [ShardTask(index, Path(shard.file).stem,
                           {"aligned_file": shard.file, "aligned_sha256": shard.sha256, "rows": shard.rows})
                 for index, shard in enumerate(self.aligned.shards)]
+
+    def work(self, spec: dict) -> int:
+        """The aligned rows of the shard: the teacher runner advances the bar by each batch of rows."""
+        return spec["rows"]
 
     def shard_writer(self) -> TeacherShardWriter:
         return TeacherShardWriter(self.config, self.aligned, self.tokenizer.size, str(self.device), self.dtype,

@@ -197,17 +197,23 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
 # ---------------------------------------------------------------------- building
 
 
-def prefix_entries(source: Vocabulary, destination: Vocabulary) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All (a, b, len p) with bytes(a) == p + bytes(b), p non-empty, by representative ids, sorted."""
+def prefix_entries(source: Vocabulary, destination: Vocabulary, advance=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All (a, b, len p) with bytes(a) == p + bytes(b), p non-empty, by representative ids, sorted.
+    `advance(n)`, when given, is told of every 8192 source spellings done (a progress bar)."""
     dst = destination.spelling_representatives()
     entries = []
     add = entries.append
-    for a_bytes, a_class in source.spellings().items():
+    spellings = source.spellings()
+    for done, (a_bytes, a_class) in enumerate(spellings.items(), 1):
+        if advance is not None and done % 8192 == 0:
+            advance(8192)
         a_rep = a_class[0]
         for n in range(1, len(a_bytes)):
             b_rep = dst.get(a_bytes[n:])
             if b_rep is not None:
                 add((a_rep, b_rep, n))
+    if advance is not None:
+        advance(len(spellings) % 8192)
     table = np.asarray(entries, dtype=np.int32).reshape(-1, 3)
     a_ids, b_ids, lengths = table[:, 0], table[:, 1], table[:, 2]
     a = np.asarray(a_ids, dtype=np.int32)
@@ -217,17 +223,22 @@ def prefix_entries(source: Vocabulary, destination: Vocabulary) -> tuple[np.ndar
     return a[order], b[order], n[order]
 
 
-def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle) -> dict:
+def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle, advance=None) -> dict:
     """Encode every source spelling with the destination tokenizer (the original builder's chains).
 
     Returns how many chains there are, how many have 2+ tokens (each gives one (p, a, b) entry),
-    and how many of those entries are byte-exact prefix-support entries.
+    and how many of those entries are byte-exact prefix-support entries. `advance(n)`, when given,
+    is told of every slice of spellings encoded (a progress bar).
     """
     src_spellings = source.vocab.spellings()
     dst_spellings = destination.vocab.spellings()
     texts_bytes = list(src_spellings.keys())
     texts = [b.decode("utf-8", errors="replace") for b in texts_bytes]
-    encodings = destination.tokenizer.encode_batch(texts, add_special_tokens=False)
+    encodings = []
+    for start in range(0, len(texts), 16384):
+        encodings += destination.tokenizer.encode_batch(texts[start:start + 16384], add_special_tokens=False)
+        if advance is not None:
+            advance(len(texts[start:start + 16384]))
     dst_bytes = destination.vocab.token_bytes
     skip = 1 if destination.vocab.dummy_prefix else 0
     multi = covered = 0
@@ -246,15 +257,19 @@ def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle
 
 
 def build_table(source: TokenizerBundle, destination: TokenizerBundle) -> SubtokenTable:
-    """Build the (source -> destination) table from two loaded tokenizers."""
-    a, b, n = prefix_entries(source.vocab, destination.vocab)
+    """Build the (source -> destination) table from two loaded tokenizers (a progress bar on a terminal)."""
+    from csd_pipeline.runtime import progress
+
+    with progress.bar(2 * len(source.vocab.spellings()), "tables build", "spelling", unit_scale=True) as shown:
+        a, b, n = prefix_entries(source.vocab, destination.vocab, shown.update)
+        canonical = canonical_chain_counts(source, destination, shown.update)
     return SubtokenTable(
         source=source.vocab,
         destination=destination.vocab,
         prefix_source=a,
         prefix_destination=b,
         prefix_length=n,
-        canonical=canonical_chain_counts(source, destination),
+        canonical=canonical,
     )
 
 
