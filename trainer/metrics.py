@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 
 from csd_pipeline.runtime.files import atomic_write_text
-
-METRICS_FILE = "metrics.jsonl"
-EVAL_FILE = "eval.jsonl"
+from schemas.training_run import EVAL_FILE, METRICS_FILE
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

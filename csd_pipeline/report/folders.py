@@ -49,7 +49,7 @@ def recognise(directory) -> Folder:
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.runtime.manifest import MANIFEST_NAME, read_manifest
     from csd_pipeline.teacher.reader import TeacherTopkOutput
-    from trainer.metrics import METRICS_FILE
+    from schemas.training_run import METRICS_FILE
 
     path = Path(directory)
     if not path.is_dir():
@@ -87,7 +87,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def read_run(folder: Folder, label: str) -> TrainingRun:
     """The `TrainingRun` of a csd-train output folder."""
-    from trainer.metrics import EVAL_FILE, METRICS_FILE
+    from schemas.training_run import EVAL_FILE, METRICS_FILE
 
     config = {}
     resolved = folder.path / "config.yaml"  # trainer.loop.RESOLVED_CONFIG (that module imports torch)
