@@ -86,7 +86,7 @@ def _floor_seconds(bundles, texts: list[str], method: str = "encode_batch") -> f
 
 
 def _config(corpus: Path, out: Path, tables: list[tuple[str, str]]):
-    from csd_pipeline.align.stage import AlignConfig
+    from csd_pipeline.align.config import AlignConfig
 
     return AlignConfig(corpus=[str(corpus)], student_tokenizer=STUDENT, teacher_tokenizers=[TEACHER], output=str(out),
                        split_on_blank_lines=True, shard_bytes=int(SHARD_MB * (1 << 20)), batch_bytes=BATCH_BYTES,
@@ -101,15 +101,19 @@ def _shard_hashes(out: Path) -> dict:
 _MEMORY_CHILD = """
 import json, os, sys, threading, time
 sys.path.insert(0, {root!r})
-from csd_pipeline.align.stage import AlignConfig, load_bundle, run_align
-from csd_pipeline.fixtures.names import tokenizer_path
+from csd_pipeline.align.config import AlignConfig
+from csd_pipeline.align.shard_writer import AlignTokenizers
+from csd_pipeline.align.stage import run_align
 
 def rss_mb():
     with open("/proc/self/statm") as handle:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
-for name in ({student!r}, {teacher!r}):
-    load_bundle(str(tokenizer_path(name))).tokenizer  # loads are outside the measured window
+config = AlignConfig(corpus=[{corpus!r}], student_tokenizer={student!r}, teacher_tokenizers=[{teacher!r}], output={out!r},
+                     split_on_blank_lines=True, shard_bytes={shard_bytes}, batch_bytes={batch_bytes}, tables={tables!r})
+tokenizers = AlignTokenizers.load(config)  # loads are outside the measured window
+for bundle in (tokenizers.student, *tokenizers.teachers):
+    bundle.tokenizer  # build the Rust tokenizers now
 baseline, peak, done = rss_mb(), [0.0], threading.Event()
 
 def sample():
@@ -119,9 +123,7 @@ def sample():
 
 thread = threading.Thread(target=sample)
 thread.start()
-config = AlignConfig(corpus=[{corpus!r}], student_tokenizer={student!r}, teacher_tokenizers=[{teacher!r}], output={out!r},
-                     split_on_blank_lines=True, shard_bytes={shard_bytes}, batch_bytes={batch_bytes}, tables={tables!r})
-run_align(config)
+run_align(config, tokenizers=tokenizers)
 done.set()
 thread.join()
 print(json.dumps({{"baseline_mb": baseline, "peak_mb": max(peak[0], rss_mb())}}))
@@ -137,8 +139,8 @@ def _memory_mb(corpus: Path, out: Path, tables) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    from csd_pipeline.align.stage import load_bundle, run_align
-    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.align.shard_writer import AlignTokenizers
+    from csd_pipeline.align.stage import run_align
     from csd_pipeline.vocab.tables import build_table
 
     with tempfile.TemporaryDirectory(prefix="bench-align-") as tmp_name:
@@ -146,8 +148,8 @@ def run(quick: bool = False) -> dict:
         corpus, corpus_note = _corpus(tmp, quick)
         size_mb = corpus.stat().st_size / 1e6
         start = time.perf_counter()
-        student = load_bundle(str(tokenizer_path(STUDENT)))
-        teacher = load_bundle(str(tokenizer_path(TEACHER)))
+        tokenizers = AlignTokenizers.load(_config(corpus, tmp / "unused", []))
+        student, teacher = tokenizers.student, tokenizers.teachers[0]
         student.tokenizer, teacher.tokenizer  # noqa: B018 (build the Rust tokenizers now)
         load_seconds = time.perf_counter() - start
         # Tables are built once, outside the timings (align copies them: `--tables`).
@@ -161,12 +163,13 @@ def run(quick: bool = False) -> dict:
             floors.append(_floor_seconds([student, teacher], texts))
             fast_floors.append(_floor_seconds([student, teacher], texts, "encode_batch_fast"))
             start = time.perf_counter()
-            run_align(_config(corpus, tmp / ("one" if attempt == 0 else f"again{attempt}"), tables), workers=1)
+            run_align(_config(corpus, tmp / ("one" if attempt == 0 else f"again{attempt}"), tables), workers=1,
+                      tokenizers=tokenizers)
             aligns.append(time.perf_counter() - start)
         floor, align_seconds = min(floors), min(aligns)
 
         start = time.perf_counter()
-        run_align(_config(corpus, tmp / "two", tables), workers=2)
+        run_align(_config(corpus, tmp / "two", tables), workers=2, tokenizers=tokenizers)
         two_seconds = time.perf_counter() - start
         identical = _shard_hashes(tmp / "one") == _shard_hashes(tmp / "two")
 

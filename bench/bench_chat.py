@@ -49,16 +49,16 @@ def _mask_exact(rows: list[dict], records: list[dict], vocab, eot: int) -> float
 
 
 def run(quick: bool = False) -> dict:
-    from csd_pipeline.align.stage import load_bundle
-    from csd_pipeline.align.chat_records import ChatOptions
     from csd_pipeline.align.chat_mode import ChatAligner
+    from csd_pipeline.align.chat_records import ChatOptions
     from csd_pipeline.align.corpus import Document
     from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     records, note = _records(quick)
     start = time.perf_counter()
-    student = load_bundle(str(tokenizer_path(STUDENT)))
-    teacher = load_bundle(str(tokenizer_path(TEACHER)))
+    student = load_tokenizer(str(tokenizer_path(STUDENT)))
+    teacher = load_tokenizer(str(tokenizer_path(TEACHER)))
     aligner = ChatAligner(student, [teacher], 1 << 20, [1 << 20], ChatOptions(), [None, None])
     aligner.check()
     load_seconds = time.perf_counter() - start

@@ -10,7 +10,8 @@ Measured in one process, shard by shard:
 - B, the stage on that shard: read the aligned shard, batch, forward, float32 log-softmax and
   top-k, encode, write the Parquet file (wall time);
 - F, inside B: the time of the teacher's forward itself (decoder, then the float32 output layer on
-  the real positions), clocked around those calls by the runner. overhead = (B - F) / B must be
+  the real positions), clocked around those calls from here (`ForwardClock`: hooks on the decoder,
+  a wrapper around the runner's output layer). overhead = (B - F) / B must be
   <= 10%. Both sides are measured in the same seconds of the same run, so a busy shared machine
   cannot favour one of them;
 - for reference, separate forward-only passes over exactly the stage's batches, alternating the
@@ -75,7 +76,8 @@ def _sources(quick: bool) -> dict[str, str]:
 
 
 def _align(tmp: Path, quick: bool) -> tuple[Path, dict[str, str]]:
-    from csd_pipeline.align.stage import AlignConfig, run_align
+    from csd_pipeline.align.config import AlignConfig
+    from csd_pipeline.align.stage import run_align
 
     corpus = tmp / "corpus"
     corpus.mkdir()
@@ -92,24 +94,81 @@ def _align(tmp: Path, quick: bool) -> tuple[Path, dict[str, str]]:
     return out, {Path(f).stem: f for f in files}
 
 
-def _shard_rows(path: Path):
-    import numpy as np
-    import pyarrow.parquet as pq
+def _shard_rows(aligned, shard):
+    """(teacher 0's ids of every row, row ids) of one aligned shard (`AlignedOutput`, `AlignedShard`)."""
+    row_ids, rows = aligned.teacher_rows(shard, 0)
+    return rows, row_ids
 
-    table = pq.read_table(path, columns=["row_id", "teacher0_ids"])
-    return [np.asarray(ids, np.int64) for ids in table.column("teacher0_ids").to_pylist()], table.column("row_id").to_pylist()
+
+def forward_only(runner, rows, *, own_path: bool = False) -> None:
+    """Only the teacher's forward on a padded batch: the model's plain forward (`model(...).logits`),
+    or with `own_path` the same computation the runner does (decoder, then the float32 output layer
+    on the real positions, chunk by chunk) without log-softmax, top-k or copies."""
+    import torch
+
+    input_ids, mask = runner._batch_tensors(rows)
+    with torch.inference_mode():
+        if not own_path or runner._head is None:
+            runner.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
+            return
+        width = input_ids.shape[1]
+        flat = torch.cat([torch.arange(len(r), device=runner.device) + b * width for b, r in enumerate(rows)])
+        states = runner._base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+        states = states.reshape(-1, states.shape[-1])[flat]
+        for start in range(0, states.shape[0], runner.chunk):
+            runner._head_logits(states[start:start + runner.chunk])
+
+
+class ForwardClock:
+    """Seconds the runner spends in the teacher's forward itself (decoder + output layer) while
+    `active`: clocked around the decoder (module hooks) and the runner's output layer (a wrapper),
+    so a benchmark can split the stage's time on a busy machine. On a GPU the clock waits for the
+    device at each edge (slightly pessimistic)."""
+
+    def __init__(self, runner):
+        self.seconds = 0.0
+        self.active = False
+        self._began = 0.0
+        self._device = runner.device
+        body = runner._base if runner._head is not None else runner.model
+        body.register_forward_pre_hook(lambda module, args: self._start())
+        body.register_forward_hook(lambda module, args, output: self._stop())
+        head = runner._head_logits
+
+        def timed_head(hidden):
+            self._start()
+            logits = head(hidden)
+            self._stop()
+            return logits
+
+        runner._head_logits = timed_head
+
+    def _now(self) -> float:
+        if self._device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def _start(self) -> None:
+        if self.active:
+            self._began = self._now()
+
+    def _stop(self) -> None:
+        if self.active:
+            self.seconds += self._now() - self._began
 
 
 def _forward_only(runner, rows, block_positions: int, own_path: bool) -> float:
     """Seconds of the teacher's forward alone on the batches the stage forms for these rows."""
-    from csd_pipeline.teacher.stage import block_ranges
     from csd_pipeline.teacher.runner import plan_batches
+    from csd_pipeline.teacher.shard_writer import block_ranges
 
     start_time = time.perf_counter()
     for start, end in block_ranges([len(r) for r in rows], block_positions):
         block = rows[start:end]
         for batch in plan_batches([len(r) for r in block], runner.batch_tokens):
-            runner.forward_only([block[i] for i in batch], own_path=own_path)
+            forward_only(runner, [block[i] for i in batch], own_path=own_path)
     return time.perf_counter() - start_time
 
 
@@ -148,22 +207,28 @@ class _PeakRss:
         self._thread.join()
 
 
-def _measure_shard(runner, aligned_file: Path, target: Path, rows, *, reverse: bool, baselines, sampler=None,
-                   sync=lambda: None) -> tuple[dict, object]:
-    """Time the stage on one shard and the forward-only baselines on its batches, in alternating order."""
-    from csd_pipeline.teacher.stage import DEFAULT_BLOCK_POSITIONS, write_teacher_shard
+def _measure_shard(runner, clock: ForwardClock, aligned, shard, target: Path, *, reverse: bool, baselines,
+                   sampler=None, sync=lambda: None) -> tuple[dict, object]:
+    """Time the stage on one aligned shard (reading it included) and the forward-only baselines on its
+    batches, in alternating order."""
+    from contextlib import nullcontext
 
+    from csd_pipeline.teacher.config import TeacherLogitsConfig
+    from csd_pipeline.teacher.shard_writer import write_teacher_shard
+
+    block_positions = TeacherLogitsConfig.block_positions
+    rows, _ = _shard_rows(aligned, shard)
     result = None
 
     def stage():
         nonlocal result
-        if sampler is not None:
-            with sampler:
-                result = write_teacher_shard(runner, aligned_file, 0, target, DEFAULT_BLOCK_POSITIONS)
-        else:
-            result = write_teacher_shard(runner, aligned_file, 0, target, DEFAULT_BLOCK_POSITIONS)
+        clock.active = True
+        with sampler if sampler is not None else nullcontext():
+            row_ids, shard_rows = aligned.teacher_rows(shard, 0)
+            result = write_teacher_shard(runner, row_ids, shard_rows, target, block_positions)
+        clock.active = False
 
-    steps = {name: (lambda own=(name == "own_forward"): _forward_only(runner, rows, DEFAULT_BLOCK_POSITIONS, own_path=own))
+    steps = {name: (lambda own=(name == "own_forward"): _forward_only(runner, rows, block_positions, own_path=own))
              for name in baselines}
     steps["stage"] = stage
     times = {}
@@ -200,29 +265,29 @@ def run(quick: bool = False) -> dict:
     """Benchmark the stage on CPU; returns {"name", "metrics", "checks"}."""
     import torch
 
+    from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.fixtures.names import model_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.runner import TeacherRunner
 
     with tempfile.TemporaryDirectory(prefix="bench-teacher-") as tmp_name:
         tmp = Path(tmp_name)
-        aligned, _ = _align(tmp, quick)
-        manifest = json.loads((aligned / "manifest.json").read_text())
+        aligned_dir, _ = _align(tmp, quick)
+        aligned = AlignedOutput.open(aligned_dir)
         started = time.perf_counter()
         loaded = load_causal_lm(str(model_path(TEACHER)), device="cpu")
         load_seconds = time.perf_counter() - started
         runner = TeacherRunner(loaded, top_k=TOP_K, vocab_limit=49152, batch_tokens=BATCH_TOKENS)
-        runner.time_forward = True
+        clock = ForwardClock(runner)
         out = tmp / "teacher"
         out.mkdir()
         totals = {"model_forward": 0.0, "own_forward": 0.0, "stage": 0.0}
         per_source, positions_total, file_bytes, payload_bytes = {}, 0, 0, 0
         sampler = _PeakRss()
         baseline_rss = _PeakRss.rss()
-        for index, shard in enumerate(manifest["shards"]):
-            rows, _ = _shard_rows(aligned / shard["file"])
-            target = out / shard["file"]
-            times, result = _measure_shard(runner, aligned / shard["file"], target, rows, reverse=index % 2 == 1,
+        for index, shard in enumerate(aligned.shards):
+            target = out / shard.file
+            times, result = _measure_shard(runner, clock, aligned, shard, target, reverse=index % 2 == 1,
                                            baselines=("model_forward", "own_forward"), sampler=sampler)
             for name, seconds in times.items():
                 totals[name] += seconds
@@ -233,12 +298,12 @@ def run(quick: bool = False) -> dict:
             per_source[f"bytes_per_position[{index}]"] = round(target.stat().st_size / positions, 2)
             per_source[f"positions[{index}]"] = positions
         sampler.close()
-        first = manifest["shards"][0]["file"]
-        error = _decode_error(runner, out / first, _shard_rows(aligned / first)[0])
+        first = aligned.shards[0]
+        error = _decode_error(runner, out / first.file, _shard_rows(aligned, first)[0])
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     stage_total = totals["stage"]
-    inside = runner.forward_seconds  # decoder + output layer, timed inside the stage runs
+    inside = clock.seconds  # decoder + output layer, timed inside the stage runs
     overhead = (stage_total - inside) / stage_total
     overhead_vs_own = (stage_total - totals["own_forward"]) / stage_total
     overhead_vs_model = (stage_total - totals["model_forward"]) / stage_total
@@ -288,7 +353,9 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from csd_pipeline.align.stage import AlignConfig, run_align
+    from csd_pipeline.align.config import AlignConfig
+    from csd_pipeline.align.output import AlignedOutput
+    from csd_pipeline.align.stage import run_align
     from csd_pipeline.fixtures.names import tokenizer_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.runner import TeacherRunner
@@ -315,16 +382,15 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(model_dir))
         loaded = load_causal_lm(str(model_dir), device="cuda")  # bf16 by default on GPU
         runner = TeacherRunner(loaded, top_k=TOP_K, vocab_limit=vocab, batch_tokens=65536)
-        runner.time_forward = True  # synchronises the GPU around the forward: slightly pessimistic
-        manifest = json.loads((aligned / "manifest.json").read_text())
+        clock = ForwardClock(runner)  # synchronises the GPU around the forward: slightly pessimistic
+        aligned_output = AlignedOutput.open(aligned)
         out = tmp / "teacher"
         out.mkdir()
         forward_total = stage_total = 0.0
         positions_total = 0
-        for index, shard in enumerate(manifest["shards"]):
-            rows, _ = _shard_rows(aligned / shard["file"])
-            times, result = _measure_shard(runner, aligned / shard["file"], out / shard["file"], rows,
-                                           reverse=index % 2 == 1, baselines=("own_forward",), sync=torch.cuda.synchronize)
+        for index, shard in enumerate(aligned_output.shards):
+            times, result = _measure_shard(runner, clock, aligned_output, shard, out / shard.file, reverse=index % 2 == 1,
+                                           baselines=("own_forward",), sync=torch.cuda.synchronize)
             forward_total += times["own_forward"]
             stage_total += times["stage"]
             positions_total += result.stats["positions"]
@@ -337,7 +403,7 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
             "positions_per_second": round(positions_total / stage_total, 1),
             "forward_positions_per_second": round(positions_total / forward_total, 1),
             "overhead_fraction_vs_own_forward": round((stage_total - forward_total) / stage_total, 4),
-            "overhead_fraction_inside_stage": round((stage_total - runner.forward_seconds) / stage_total, 4),
+            "overhead_fraction_inside_stage": round((stage_total - clock.seconds) / stage_total, 4),
             "peak_gpu_gib": round(peak_gpu, 2),
             "logits_path": runner.path,
         },

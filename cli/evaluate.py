@@ -26,8 +26,8 @@ import click
 def bits_per_byte(aligned, model_arg, side, seq_len, batch_size, max_rows, device, trust_remote_code, as_json):
     """Held-out bits per byte of MODEL on the aligned folder's text."""
     from csd_pipeline.errors import CsdError
+    from csd_pipeline.evaluation.bits_per_byte import bits_per_byte as score
     from csd_pipeline.runtime.model_loading import load_causal_lm
-    from trainer.evaluation import bits_per_byte as score
 
     if side == "student":
         which = "student"

@@ -13,8 +13,8 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def status(directory, finalize, as_json):
     """Say which shards of a stage output are complete and what is missing."""
-    from csd_pipeline.runtime.executor import finalize as write_manifest
-    from csd_pipeline.runtime.executor import stage_status
+    from csd_pipeline.runtime.run_record import finalize as write_manifest
+    from csd_pipeline.runtime.run_record import stage_status
 
     if finalize:
         write_manifest(directory, log=lambda message: None if as_json else click.echo(message, err=True))
@@ -38,10 +38,7 @@ def status(directory, finalize, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(directory, as_json):
     """Summarise a stage output from its manifest: rows, tokens, chunk shapes, rejections."""
-    from csd_pipeline.runtime.manifest import read_manifest
-
-    manifest = read_manifest(directory)
-    report = summarise(manifest)
+    report = summarise(directory)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True))
         return
@@ -52,42 +49,28 @@ def inspect(directory, as_json):
             click.echo(f"{key}: {json.dumps(report[key], sort_keys=True)}")
 
 
-def summarise(manifest: dict) -> dict:
-    """The `inspect` report of a manifest: totals, and for aligned outputs tokens, bytes/token, shapes, rejections."""
+def summarise(directory) -> dict:
+    """The `inspect` report of a stage output: its totals, and for an aligned output what
+    `AlignedOutput.summary` adds (tokens, bytes/token, shapes, rejections); other stages' stats as they are."""
+    from csd_pipeline.align.output import AlignedOutput
+    from csd_pipeline.runtime.manifest import read_manifest
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from schemas.aligned import STAGE as ALIGN_STAGE
+    from schemas.teacher_topk import STAGE as TEACHER_STAGE
+
+    manifest = read_manifest(directory)  # any stage; the output's own reader checks its schema version
+    if manifest["stage"] == ALIGN_STAGE:
+        aligned = AlignedOutput.open(directory)
+        return {**_totals(aligned.manifest), **aligned.summary()}
+    if manifest["stage"] == TEACHER_STAGE:
+        manifest = TeacherTopkOutput.open(directory).manifest
+    return {**_totals(manifest), "stats": manifest["totals"].get("stats", {})}
+
+
+def _totals(manifest: dict) -> dict:
     totals = manifest["totals"]
-    stats = totals.get("stats", {})
-    report = {
-        "stage": manifest["stage"],
-        "schema_version": manifest["schema_version"],
-        "shards": totals["shards"],
-        "rows": totals["rows"],
-        "bytes_on_disk": totals["bytes"],
-    }
-    if manifest["stage"] != "align":
-        report["stats"] = stats
-        return report
-    tokens = stats.get("tokens", {})
-    text_bytes = stats.get("bytes", {}).get("windows", 0)
-    report["windows"] = stats.get("windows", 0)
-    report["documents"] = stats.get("documents", {})
-    report["tokens"] = tokens
-    report["text_bytes"] = text_bytes
-    report["bytes_per_token"] = {side: round(text_bytes / n, 4) if n else None for side, n in tokens.items()}
-    teachers = sorted(k for k in stats if k.startswith("teacher") and isinstance(stats[k], dict) and "chunk_status" in stats[k])
-    report["chunk_status"] = {t: stats[t]["chunk_status"] for t in teachers}
-    report["chunk_shapes"] = {t: stats[t]["accepted_shapes"] for t in teachers}
-    report["rejections"] = {
-        "documents": stats.get("rejected_documents", {}),
-        "window_regions": stats.get("rejected_regions", {}),
-        "window_region_bytes": stats.get("rejected_region_bytes", 0),
-        "chunks": {t: {k: v for k, v in stats[t]["chunk_status"].items() if k not in ("ACCEPTED", "SPECIAL") and v}
-                   for t in teachers},
-    }
-    if "chat" in stats:  # chat mode: supervised (loss-mask) tokens and bytes, first chunks dropped from KD
-        rows = stats.get("windows", 0)
-        per_row = round(stats["chat"].get("supervised_student_tokens", 0) / rows, 2) if rows else None
-        report["chat"] = {**stats["chat"], "supervised_student_tokens_per_row": per_row}
-    return report
+    return {"stage": manifest["stage"], "schema_version": manifest["schema_version"], "shards": totals["shards"],
+            "rows": totals["rows"], "bytes_on_disk": totals["bytes"]}
 
 
 def echo_run_report(output, report) -> None:

@@ -6,6 +6,9 @@ import json
 
 import click
 
+from cli.options import config_option
+from csd_pipeline.vocab.config import TableBuildConfig, TableCheckConfig
+
 
 @click.group()
 def tables():
@@ -13,10 +16,10 @@ def tables():
 
 
 @tables.command()
-@click.option("--source-tokenizer", required=True, help="tokenizer.json, tokenizer folder, hub name or fixture name.")
-@click.option("--destination-tokenizer", required=True, help="tokenizer.json, tokenizer folder, hub name or fixture name.")
-@click.option("--output", required=True, type=click.Path(dir_okay=False), help="Table file to write (.safetensors).")
-@click.option("--trust-remote-code", is_flag=True, help="Allow a hub tokenizer's remote code (off by default).")
+@config_option(TableBuildConfig, "source_tokenizer")
+@config_option(TableBuildConfig, "destination_tokenizer")
+@config_option(TableBuildConfig, "output", type=click.Path(dir_okay=False))
+@config_option(TableBuildConfig, "trust_remote_code")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, quiet):
     """Build the (source -> destination) table."""
@@ -37,11 +40,11 @@ def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, qu
 
 
 @tables.command()
-@click.option("--student-tokenizer", required=True)
-@click.option("--teacher-tokenizer", required=True)
-@click.option("--student-to-teacher", required=True, type=click.Path(dir_okay=False))
-@click.option("--teacher-to-student", required=True, type=click.Path(dir_okay=False))
-@click.option("--sample", default=2000, show_default=True, help="Entries re-derived from the tokenizers per check.")
+@config_option(TableCheckConfig, "student_tokenizer")
+@config_option(TableCheckConfig, "teacher_tokenizer")
+@config_option(TableCheckConfig, "student_to_teacher", type=click.Path(dir_okay=False))
+@config_option(TableCheckConfig, "teacher_to_student", type=click.Path(dir_okay=False))
+@config_option(TableCheckConfig, "sample")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def validate(student_tokenizer, teacher_tokenizer, student_to_teacher, teacher_to_student, sample, as_json):
     """Check both tables against the tokenizers (fingerprints, direction, sampled entries)."""

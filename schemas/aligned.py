@@ -58,13 +58,12 @@ class ChunkStatus(IntEnum):
 
 
 SHAPES = ("1:1", "1:N", "M:1", "M:N")
+"""The shape classes of a chunk (student tokens : teacher tokens), in the order every count uses."""
 
 
 def shape_name(student_len: int, teacher_len: int) -> str:
     """The shape class of a chunk with `student_len` student and `teacher_len` teacher tokens."""
-    if student_len == 1:
-        return "1:1" if teacher_len == 1 else "1:N"
-    return "M:1" if teacher_len == 1 else "M:N"
+    return SHAPES[2 * (student_len != 1) + (teacher_len != 1)]
 
 
 def teacher_columns(i: int) -> tuple[str, str, str, str]:
@@ -117,10 +116,3 @@ def aligned_schema(num_teachers: int):
     metadata = {b"csd.schema": b"aligned", b"csd.schema_version": str(SCHEMA_VERSION).encode()}
     return pa.schema(fields, metadata=metadata)
 
-
-def num_teachers_of(schema) -> int:
-    """How many teachers an aligned schema holds (counts `teacher{i}_ids` columns)."""
-    count = 0
-    while f"teacher{count}_ids" in schema.names:
-        count += 1
-    return count

@@ -3,6 +3,7 @@ several teachers, long documents cut into windows, bad input counted by reason, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -14,16 +15,19 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from csd_pipeline.align.stage import AlignConfig, load_bundle, run_align
+from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.align.corpus import Document
+from csd_pipeline.align.stage import run_align
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.manifest import read_manifest, shard_paths
+from csd_pipeline.vocab.vocabulary import load_tokenizer
 from schemas.aligned import ChunkStatus, aligned_schema
 from tests.test_alignment import check_rows
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
 SLICE = DATA / "python-docs-slice.txt"
+load_bundle = functools.cache(load_tokenizer)  # each tokenizer loaded once per test session
 
 
 @pytest.fixture(scope="session")
@@ -167,7 +171,7 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, small_corpus, tables_for
 
 
 def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, tables_for, one_worker_run):
-    from csd_pipeline.runtime.executor import finalize, stage_status
+    from csd_pipeline.runtime.run_record import finalize, stage_status
 
     out = tmp_path / "ranks"
     cfg = config(small_corpus, out, [tables_for("llama-bpe", "qwen2")])

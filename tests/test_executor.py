@@ -13,47 +13,68 @@ import pytest
 
 from csd_pipeline.errors import CsdError, ManifestError
 from csd_pipeline.runtime.executor import (
+    Placement,
     ShardResult,
     ShardTask,
-    StageRun,
-    finalize,
+    Stage,
     resolve_rank,
     run_stage,
     shard_name,
-    stage_status,
 )
 from csd_pipeline.runtime.manifest import read_manifest, shard_paths, verify_shards
+from csd_pipeline.runtime.run_record import finalize, stage_status
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
 
 
-def make_square_processor(config: dict):
-    """A toy stage: each shard holds the squares of its spec's numbers, one per line."""
-    offset = config["offset"]
+class SquareWriter:
+    """The toy stage's shard writer: each shard holds the squares of its spec's numbers, one per line."""
 
-    def process(task: ShardTask, tmp_path: Path) -> ShardResult:
-        values = [(v + offset) ** 2 for v in task.spec["values"]]
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def __call__(self, task: ShardTask, tmp_path: Path) -> ShardResult:
+        values = [(v + self.offset) ** 2 for v in task.spec["values"]]
         tmp_path.write_text("".join(f"{v}\n" for v in values))
         odd = sum(v % 2 for v in values)
         return ShardResult(rows=len(values), stats={"values": len(values), "parity": {"odd": odd, "even": len(values) - odd}})
 
-    return process
+
+class ToyStage(Stage):
+    """A toy stage of `shards` shards of three numbers each; counts how often it is asked for its plan."""
+
+    name = "toy"
+    schema_version = 1
+    suffix = ".txt"
+
+    def __init__(self, out: Path, offset: int = 0, shards: int = 5):
+        self.output_dir = out
+        self.offset = offset
+        self.shards = shards
+        self.plans = 0
+
+    def identity(self, world_size: int) -> dict:
+        return {"config": {"offset": self.offset, "world_size": world_size}, "inputs": [{"path": "nowhere", "size": 0}]}
+
+    def manifest_extra(self) -> dict:
+        return {"note": "toy stage"}
+
+    def plan(self, world_size: int, log) -> list[ShardTask]:
+        self.plans += 1
+        return [ShardTask(i, shard_name(i % world_size, i), {"values": list(range(i * 3, i * 3 + 3))})
+                for i in range(self.shards)]
+
+    def shard_writer(self) -> SquareWriter:
+        return SquareWriter(self.offset)
 
 
-def make_run(out: Path, world_size: int = 1, offset: int = 0, shards: int = 5) -> StageRun:
-    tasks = [ShardTask(i, shard_name(i % world_size, i), {"values": list(range(i * 3, i * 3 + 3))}) for i in range(shards)]
-    return StageRun(
-        stage="toy",
-        schema_version=1,
-        output_dir=out,
-        identity={"config": {"offset": offset}, "inputs": [{"path": "nowhere", "size": 0}]},
-        tasks=tasks,
-        processor=f"{__name__}:make_square_processor",
-        processor_config={"offset": offset},
-        extra={"note": "toy stage"},
-        suffix=".txt",
-    )
+def make_stage(out: Path, offset: int = 0) -> ToyStage:
+    return ToyStage(out, offset)
+
+
+def rank(r: int, world_size: int) -> Placement:
+    return Placement(rank=r, world_size=world_size)
 
 
 def tree_bytes(directory: Path) -> dict[str, str]:
@@ -67,15 +88,15 @@ def tree_bytes(directory: Path) -> dict[str, str]:
 
 def test_one_and_two_workers_write_identical_bytes(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    report = run_stage(make_run(one), workers=1, log=lambda m: None)
+    report = run_stage(make_stage(one), Placement(workers=1), log=lambda m: None)
     assert report.complete and len(report.processed) == 5
-    run_stage(make_run(two), workers=2, log=lambda m: None)
+    run_stage(make_stage(two), Placement(workers=2), log=lambda m: None)
     assert tree_bytes(one) == tree_bytes(two)
     manifest = read_manifest(one, stage="toy", schema_versions=[1])
     assert [s["name"] for s in manifest["shards"]] == [shard_name(0, i) for i in range(5)]
     assert manifest["totals"]["rows"] == 15
     assert manifest["totals"]["stats"]["parity"] == {"odd": 7, "even": 8}  # squares of 0..14
-    assert manifest["config"] == {"offset": 0} and manifest["note"] == "toy stage"
+    assert manifest["config"] == {"offset": 0, "world_size": 1} and manifest["note"] == "toy stage"
     assert verify_shards(manifest, one, check_hash=True) == []
     lines = [int(x) for p in shard_paths(manifest, one) for x in p.read_text().split()]
     assert lines == [v * v for v in range(15)]
@@ -83,29 +104,31 @@ def test_one_and_two_workers_write_identical_bytes(tmp_path):
 
 def test_ranks_split_the_shards_and_the_last_rank_writes_the_manifest(tmp_path):
     out = tmp_path / "out"
-    run_stage(make_run(out, world_size=2), rank=1, world_size=2, log=lambda m: None)
+    stage = make_stage(out)
+    run_stage(stage, rank(1, 2), log=lambda m: None)
     status = stage_status(out)
     assert not status["complete"]
     assert status["missing"] == [shard_name(0, i) for i in (0, 2, 4)]
     assert not (out / "manifest.json").exists()
-    report = run_stage(make_run(out, world_size=2), rank=0, world_size=2, log=lambda m: None)
+    report = run_stage(stage, rank(0, 2), log=lambda m: None)
     assert report.manifest_written
+    assert stage.plans == 1  # the second rank resumed the recorded plan
     manifest = read_manifest(out)
     assert [s["name"] for s in manifest["shards"]] == [shard_name(i % 2, i) for i in range(5)]
     assert json.loads((out / "stats" / "rank-00001.json").read_text())["shards"] == [shard_name(1, 1), shard_name(1, 3)]
     # The shard contents do not depend on the world size, only their names do.
     single = tmp_path / "single"
-    run_stage(make_run(single), log=lambda m: None)
+    run_stage(make_stage(single), log=lambda m: None)
     for i in range(5):
         assert (out / f"{shard_name(i % 2, i)}.txt").read_bytes() == (single / f"{shard_name(0, i)}.txt").read_bytes()
 
 
 def test_finalize_writes_the_manifest_once_everything_is_done(tmp_path):
     out = tmp_path / "out"
-    run = make_run(out, world_size=2)
-    run_stage(run, rank=0, world_size=2, log=lambda m: None)
+    stage = make_stage(out)
+    run_stage(stage, rank(0, 2), log=lambda m: None)
     assert finalize(out, log=lambda m: None) is None
-    run_stage(run, rank=1, world_size=2, log=lambda m: None)
+    run_stage(stage, rank(1, 2), log=lambda m: None)
     (out / "manifest.json").unlink()
     assert finalize(out, log=lambda m: None)["totals"]["shards"] == 5
     assert read_manifest(out)["stage"] == "toy"
@@ -114,12 +137,12 @@ def test_finalize_writes_the_manifest_once_everything_is_done(tmp_path):
 @pytest.mark.parametrize("point", ["before_rename", "before_marker", "after_marker"])
 def test_killed_run_resumes_to_the_same_bytes(tmp_path, point):
     clean = tmp_path / "clean"
-    run_stage(make_run(clean), log=lambda m: None)
+    run_stage(make_stage(clean), log=lambda m: None)
     killed = tmp_path / "killed"
     script = (
         f"import sys; from pathlib import Path; import {__name__} as t; "
         "from csd_pipeline.runtime.executor import run_stage; "
-        "run_stage(t.make_run(Path(sys.argv[1])), log=lambda m: None)"
+        "run_stage(t.make_stage(Path(sys.argv[1])), log=lambda m: None)"
     )
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{TESTS_DIR}", CSD_TEST_CRASH=f"{point}:3")
     first = subprocess.run([sys.executable, "-c", script, str(killed)], env=env, capture_output=True)
@@ -135,23 +158,24 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, point):
 
 def test_another_runs_output_is_refused(tmp_path):
     out = tmp_path / "out"
-    run_stage(make_run(out), log=lambda m: None)
-    with pytest.raises(CsdError, match="another toy run.*config"):
-        run_stage(make_run(out, offset=1), log=lambda m: None)
-    with pytest.raises(CsdError, match="different shard layout"):
-        run_stage(make_run(out, world_size=2), log=lambda m: None)
-    # A re-run of the same run is a no-op.
-    assert run_stage(make_run(out), log=lambda m: None).processed == []
+    run_stage(make_stage(out), log=lambda m: None)
+    with pytest.raises(CsdError, match=r"another toy run \(its config.offset differ"):
+        run_stage(make_stage(out, offset=1), log=lambda m: None)
+    with pytest.raises(CsdError, match=r"another toy run \(its config.world_size differ"):
+        run_stage(make_stage(out), rank(0, 2), log=lambda m: None)
+    # A re-run of the same run is a no-op, and does not plan again.
+    again = make_stage(out)
+    assert run_stage(again, log=lambda m: None).processed == [] and again.plans == 0
 
 
 def test_manifest_errors_name_the_stage_to_rerun(tmp_path):
     with pytest.raises(ManifestError, match="not a directory"):
         read_manifest(tmp_path / "absent", stage="align")
     out = tmp_path / "out"
-    run_stage(make_run(out, world_size=2), rank=0, world_size=2, log=lambda m: None)
+    run_stage(make_stage(out), rank(0, 2), log=lambda m: None)
     with pytest.raises(ManifestError, match="no manifest.json.*csd-pipeline status"):
         read_manifest(out, stage="toy")
-    run_stage(make_run(out, world_size=2), rank=1, world_size=2, log=lambda m: None)
+    run_stage(make_stage(out), rank(1, 2), log=lambda m: None)
     with pytest.raises(ManifestError, match="stage 'toy', not 'align'"):
         read_manifest(out, stage="align")
     with pytest.raises(ManifestError, match="schema version 1"):
@@ -173,3 +197,5 @@ def test_resolve_rank_from_flags_and_environment(monkeypatch):
         resolve_rank(1, None)
     with pytest.raises(CsdError, match="out of range"):
         resolve_rank(4, 4)
+    with pytest.raises(CsdError, match="--workers 0"):
+        Placement.resolve(workers=0)

@@ -288,6 +288,25 @@ def test_manifest_and_co_partitioning(aligned, tiny_teacher, tiny_output):
     assert stats["rejected"]["non_finite"] == 0
 
 
+def test_teacher_vocabulary_size_comes_from_the_aligned_manifest(aligned, tmp_path, monkeypatch):
+    """The align stage records each tokenizer's vocabulary size, so no table is loaded to learn it; an
+    aligned output written before that still gives the size, from its teacher->student table."""
+    import csd_pipeline.vocab.tables as tables
+    from csd_pipeline.align.output import AlignedOutput
+
+    manifest = json.loads((aligned / "manifest.json").read_text())
+    assert manifest["tokenizers"]["teachers"][0]["size"] == VOCAB
+    real, loaded = tables.load_table, []
+    monkeypatch.setattr(tables, "load_table", lambda path: loaded.append(path) or real(path))
+    assert AlignedOutput.open(aligned).teacher_tokenizer(0).size == VOCAB and loaded == []
+    older = tmp_path / "older"
+    shutil.copytree(aligned, older)
+    for record in [manifest["tokenizers"]["student"], *manifest["tokenizers"]["teachers"]]:
+        del record["size"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    assert AlignedOutput.open(older).teacher_tokenizer(0).size == VOCAB and len(loaded) == 1
+
+
 def test_random_access_equals_iteration(tiny_output):
     from csd_pipeline.teacher.reader import read_teacher_shard
 

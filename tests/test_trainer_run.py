@@ -176,7 +176,7 @@ def test_bits_per_byte_matches_a_brute_force_count(trainer_data, reference_run):
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
-    from trainer.evaluation import bits_per_byte
+    from csd_pipeline.evaluation.bits_per_byte import bits_per_byte
 
     model = AutoModelForCausalLM.from_pretrained(reference_run / "export", dtype=torch.float32).eval()
     got = bits_per_byte(model, trainer_data["eval"], seq_len=128, batch_size=2, chunk_size=50)
@@ -202,9 +202,9 @@ def test_bits_per_byte_matches_a_brute_force_count(trainer_data, reference_run):
 def test_teacher_bits_per_byte_reads_the_teachers_own_ids(trainer_data, reference_run):
     from transformers import AutoModelForCausalLM
 
+    from csd_pipeline.evaluation.bits_per_byte import bits_per_byte
     from csd_pipeline.fixtures.names import model_path
     from csd_pipeline.vocab.vocabulary import load_tokenizer
-    from trainer.evaluation import bits_per_byte
 
     teacher = AutoModelForCausalLM.from_pretrained(model_path("smollm2-135m-instruct"), dtype=torch.float32).eval()
     fingerprint = load_tokenizer("smollm2").vocab.fingerprint
@@ -212,4 +212,4 @@ def test_teacher_bits_per_byte_reads_the_teachers_own_ids(trainer_data, referenc
                            fingerprint=fingerprint)
     assert scored["rows"] == 6 and 0.3 < scored["bits_per_byte"] < 2.5  # a real LM on English text
     with pytest.raises(CsdError, match="teacher tokenizer 0"):
-        bits_per_byte(teacher, trainer_data["eval"], side=0, max_rows=1, fingerprint="0" * 64)
+        bits_per_byte(teacher, trainer_data["eval"], side=0, seq_len=128, batch_size=2, max_rows=1, fingerprint="0" * 64)

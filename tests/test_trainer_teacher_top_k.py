@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from csd_pipeline.teacher.reader import TeacherTopkRow
-from trainer.data import keep_most_likely
+from trainer.loader import keep_most_likely
 
 
 def test_keeps_the_n_most_likely_entries_of_every_position():

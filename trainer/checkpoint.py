@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.files import atomic_write_text, replace_directory
 from trainer import distributed
 
 CHECKPOINT_VERSION = 1
@@ -58,12 +59,7 @@ def complete_checkpoints(output: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(obj, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def rng_state(device) -> dict:
@@ -124,9 +120,7 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
     distributed.barrier()
     if ctx.is_main:
         _write_json(tmp / COMPLETE_FILE, {"version": CHECKPOINT_VERSION, "step": step, "world": ctx.world})
-        if final.exists():  # a resumed run re-saving a step: the new one replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_directory(tmp, final)  # a resumed run re-saving a step: the new one replaces it
         for _, old in complete_checkpoints(output)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()

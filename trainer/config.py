@@ -304,14 +304,11 @@ TRAJECTORY_KEYS = tuple(name for name, option in OPTIONS.items() if option.field
 
 def write_resolved(config: TrainConfig, path: str) -> None:
     """Write the resolved options as flat YAML (atomically)."""
-    import os
-
     import yaml
 
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
-    os.replace(tmp, path)
+    from csd_pipeline.runtime.files import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def check_resume_compatible(config: TrainConfig, saved: dict, where: str) -> None:

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from csd_pipeline.runtime.files import atomic_write_text
+
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 
@@ -30,9 +32,7 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
                 break  # a line cut by a crash: nothing after it is trusted
             if record.get("step", 0) <= last_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(kept))
 
 
 def _json_value(value):

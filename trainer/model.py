@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.files import replace_directory, tmp_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -265,8 +266,8 @@ def shard_student(wrapper, device, param_dtype) -> None:
 def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_main: bool) -> None:
     """Write the student as an HF model (safetensors) plus its tokenizer files into `output_dir`.
 
-    Collective: every rank must call it (the full state dict is gathered to rank 0). Written to
-    `output_dir.tmp` and renamed.
+    Collective: every rank must call it (the full state dict is gathered to rank 0). Written to a
+    `*.tmp` folder next to `output_dir`, then put in its place.
     """
     import transformers
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -275,7 +276,7 @@ def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_
     if not is_main:
         return
     output_dir = Path(output_dir)
-    tmp = output_dir.with_name(output_dir.name + ".tmp")
+    tmp = tmp_path(output_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     config = wrapper.model.config
     with torch.device("meta"):
@@ -287,9 +288,7 @@ def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_
     hf_logging.disable_progress_bar()  # our own progress bar is on stderr
     fresh.save_pretrained(tmp, safe_serialization=True)
     save_tokenizer(tokenizer_source, tmp)
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    os.replace(tmp, output_dir)
+    replace_directory(tmp, output_dir)
 
 
 def save_tokenizer(source: str, output_dir: Path) -> None:

@@ -9,7 +9,7 @@ so ranks get disjoint parts and together exactly the epoch. Nothing here reads d
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,9 +99,3 @@ def _check_rank(rank: int, world: int) -> None:
     if world < 1 or not 0 <= rank < world:
         raise CsdError(f"rank {rank} of world size {world} is out of range; check the launcher's RANK/WORLD_SIZE")
 
-
-def locate_rows(global_rows: Sequence[int] | np.ndarray, shard_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Split global row indices into (shard index, row within shard)."""
-    rows = np.asarray(global_rows, dtype=np.int64)
-    shard = np.searchsorted(shard_offsets, rows, side="right") - 1
-    return shard, rows - shard_offsets[shard]

@@ -8,12 +8,12 @@ Rendering follows transformers' `apply_chat_template`: a sandboxed jinja2 enviro
 
 from __future__ import annotations
 
-import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.files import bytes_sha256
 
 # strftime_now() in templates (Llama 3 prints today's date) is pinned, so that shards do not depend on the day.
 TEMPLATE_DATE = datetime(2024, 7, 26)
@@ -37,7 +37,7 @@ class ChatTemplate:
         if "default" not in named:
             raise CsdError(f"chat template from {origin} has no template named 'default'; add one.")
         self.texts = named
-        self.sha256 = hashlib.sha256(json.dumps(named, sort_keys=True).encode("utf-8")).hexdigest()
+        self.sha256 = bytes_sha256(json.dumps(named, sort_keys=True).encode("utf-8"))
         self._compiled = {name: _compile(text, origin) for name, text in named.items()}
 
     def render(self, messages: list, tools, variables: dict) -> str:

@@ -15,7 +15,7 @@ from itertools import chain
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from schemas.aligned import ChunkStatus, aligned_schema, teacher_columns
+from schemas.aligned import SHAPES, ChunkStatus, aligned_schema, teacher_columns
 
 
 def _count(counter: dict, key: str, amount: int = 1) -> None:
@@ -153,7 +153,7 @@ def _count_chunks(counter: dict, s_len: np.ndarray, t_len: np.ndarray, status: n
     accepted = status == ChunkStatus.ACCEPTED
     key = (s_len[accepted] > 1).astype(np.int64) * 2 + (t_len[accepted] > 1)
     shapes = np.bincount(key, minlength=4)
-    for k, name in enumerate(("1:1", "1:N", "M:1", "M:N")):
+    for k, name in enumerate(SHAPES):
         counter["accepted_shapes"][name] += int(shapes[k])
 
 
@@ -243,6 +243,6 @@ def shard_stats(n_teachers: int) -> dict:
     for i in range(n_teachers):
         stats[f"teacher{i}"] = {
             "chunk_status": {s.name: 0 for s in ChunkStatus},
-            "accepted_shapes": {"1:1": 0, "1:N": 0, "M:1": 0, "M:N": 0},
+            "accepted_shapes": dict.fromkeys(SHAPES, 0),
         }
     return stats

@@ -1,18 +1,20 @@
-"""The shared stage executor: shards, ranks, workers, atomic writes, markers, the manifest.
+"""The shared stage executor: stages declare, the executor runs.
 
-A stage (align, teacher-logits) describes its work as a list of `ShardTask`s, every shard of every
-rank, each a pure description (JSON) of one output file's input. The executor:
+A stage (align, teacher-logits) is a `Stage`: it declares its name and schema version, its
+identity, its plan (every shard of every rank as a `ShardTask`, a JSON description of one output
+file's input) and its shard writer. `run_stage(stage, placement)`:
 
-1. records the run in `DIR/run.json` (stage, identity, tasks) or, on a re-run, checks that the
-   recorded run is the same one (else a `CsdError`: another run's output);
-2. runs this rank's tasks, `tasks[rank::world_size]`, in `workers` processes; each shard is written
-   by the stage's processor to a temporary name, then renamed, then its completion marker
+1. checks that the output directory holds no other run (`run_record.check_identity`: the identity
+   and stage of `DIR/run.json` and `DIR/manifest.json`), once;
+2. plans once: a re-run resumes the plan recorded in `DIR/run.json` and never plans again; a new
+   run asks the stage for its plan and records it;
+3. lets the stage `prepare` the directory (the align stage's tables);
+4. runs this rank's tasks, `tasks[rank::world_size]`, in `workers` processes; each shard is written
+   by the stage's shard writer to a temporary name, then renamed, then its completion marker
    `DIR/done/<name>.done` (rows, bytes, sha256, stats) is written; shards with a marker are skipped,
    so a killed run resumes where it stopped and ends with the same bytes;
-3. writes `DIR/stats/rank-RRRRR.json` (this rank's stats, summed over its shards);
-4. writes `DIR/manifest.json` last, if every shard of every rank is complete. Any rank that finds
-   everything complete writes it (same bytes, atomic rename), and `finalize(DIR)` (the
-   `csd-pipeline status DIR --finalize` command) does the same afterwards.
+5. writes `DIR/stats/rank-RRRRR.json`, then `DIR/manifest.json` if every shard of every rank is
+   complete (any rank may; `csd-pipeline status DIR --finalize` does the same afterwards).
 
 Shard bytes must depend only on the task's spec, never on rank, worker count or timing; the
 manifest holds no timestamps or worker counts, so it is byte-identical too.
@@ -20,67 +22,32 @@ manifest holds no timestamps or worker counts, so it is byte-identical too.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
-import socket
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from csd_pipeline.runtime.files import atomic_write_json, commit, file_sha256, remove_tmp_files, tmp_path
+from csd_pipeline.runtime.manifest import MANIFEST_NAME
+from csd_pipeline.runtime.run_record import (
+    check_identity,
+    finalize,
+    marker_path,
+    read_marker,
+    record_run,
+    recorded_tasks,
+    run_record,
+    sorted_stats,
+    write_rank_stats,
+)
 
-RUN_NAME = "run.json"
-RUN_VERSION = 1
-RESERVED_KEYS = {"manifest_version", "stage", "schema_version", "shards", "totals"}
 CRASH_ENV = "CSD_TEST_CRASH"  # tests: "<point>:<n>" kills this process at <point> of its n-th shard
 
 
 # ---------------------------------------------------------------------------------------------
-# Atomic files
-
-
-def _tmp_path(path: Path) -> Path:
-    # Unique per host and process, so ranks sharing a file system never collide; ends with .tmp.
-    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-
-
-def atomic_write_bytes(path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file and a rename (readers never see half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
-def json_bytes(obj) -> bytes:
-    """The canonical JSON encoding used for run files, markers and manifests (sorted keys)."""
-    return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def atomic_write_json(path, obj) -> None:
-    """Write `obj` as canonical JSON to `path`, atomically."""
-    atomic_write_bytes(path, json_bytes(obj))
-
-
-def file_sha256(path) -> str:
-    """sha256 of a file's bytes, as hex."""
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# Ranks and shard names
+# Placement: ranks, world size, workers
 
 
 def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -112,13 +79,30 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
     return rank, world_size
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where this process's part of a stage runs: its rank of `world_size`, in `workers` processes."""
+
+    rank: int = 0
+    world_size: int = 1
+    workers: int = 1
+
+    @classmethod
+    def resolve(cls, rank: int | None = None, world_size: int | None = None, workers: int = 1) -> Placement:
+        """From the flags (see `resolve_rank` for the environment). Raises `CsdError` for bad values."""
+        rank, world_size = resolve_rank(rank, world_size)
+        if workers < 1:
+            raise CsdError(f"--workers {workers} is not positive; pass --workers 1 or more.")
+        return cls(rank, world_size, workers)
+
+
 def shard_name(rank: int, index: int) -> str:
     """The file stem of shard `index` written by `rank`: `part-RRRRR-IIIII`."""
     return f"part-{rank:05d}-{index:05d}"
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage description
+# What a stage declares
 
 
 @dataclass(frozen=True)
@@ -132,41 +116,53 @@ class ShardTask:
     def to_json(self) -> dict:
         return {"index": self.index, "name": self.name, "spec": self.spec}
 
+    @classmethod
+    def from_json(cls, task: dict) -> ShardTask:
+        return cls(task["index"], task["name"], task["spec"])
+
 
 @dataclass
 class ShardResult:
-    """What a processor reports about a shard it wrote: its row count and stats (nested dict of numbers)."""
+    """What a shard writer reports about a shard it wrote: its row count and stats (nested dict of numbers)."""
 
     rows: int
     stats: dict = field(default_factory=dict)
 
 
-@dataclass
-class StageRun:
-    """Everything the executor needs to run (or finalize) one stage output.
+class Stage:
+    """A stage as the executor sees it. Subclasses set `name` (the manifest's "stage"),
+    `schema_version`, `output_dir` (and `suffix`) and define:
 
-    - `stage`: the stage name recorded in the manifest ("align", ...).
-    - `schema_version`: the version of the Arrow schema of the shards.
-    - `output_dir`: the stage output directory.
-    - `identity`: JSON dict (e.g. {"config": ..., "inputs": ..., "tokenizers": ...}) that a re-run
-      into the same directory must match exactly; its keys become top-level manifest keys.
-    - `extra`: JSON dict of more top-level manifest keys that do not decide identity (e.g. "tables").
-    - `tasks`: every shard of every rank, in index order (index i at position i).
-    - `processor`: "module:function"; `function(processor_config)` is called once per process and
-      returns a callable `(task: ShardTask, tmp_path: Path) -> ShardResult` that writes the shard.
-    - `processor_config`: JSON-able dict passed to that factory.
-    - `suffix`: the shard file suffix (".parquet").
+    - `identity(world_size)`: a JSON dict that a re-run into the same directory must match
+      exactly; its keys become top-level manifest keys (config, inputs, fingerprints);
+    - `plan(world_size, log)`: every shard of every rank, `ShardTask`s in index order (task i
+      has index i); called once per output directory;
+    - `shard_writer()`: a picklable callable `(task, tmp_path) -> ShardResult` that writes one
+      shard; each worker process gets a copy;
+    - optionally `manifest_extra()` (more manifest keys that do not decide identity; recorded in
+      run.json, so they must not change between re-runs) and `prepare(log)` (runs once the run
+      is recorded, before any shard).
     """
 
-    stage: str
+    name: str
     schema_version: int
     output_dir: Path
-    identity: dict
-    tasks: list[ShardTask]
-    processor: str
-    processor_config: dict
-    extra: dict = field(default_factory=dict)
     suffix: str = ".parquet"
+
+    def identity(self, world_size: int) -> dict:
+        raise NotImplementedError
+
+    def plan(self, world_size: int, log: Callable[[str], None]) -> list[ShardTask]:
+        raise NotImplementedError
+
+    def shard_writer(self) -> Callable[[ShardTask, Path], ShardResult]:
+        raise NotImplementedError
+
+    def manifest_extra(self) -> dict:
+        return {}
+
+    def prepare(self, log: Callable[[str], None]) -> None:
+        return None
 
 
 @dataclass
@@ -182,159 +178,72 @@ class RunReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# Run record
+# Running a stage
 
 
-def _run_record(run: StageRun) -> dict:
-    return {
-        "run_version": RUN_VERSION,
-        "stage": run.stage,
-        "schema_version": run.schema_version,
-        "identity": run.identity,
-        "extra": run.extra,
-        "suffix": run.suffix,
-        "tasks": [task.to_json() for task in run.tasks],
-    }
-
-
-def _differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """Keys whose values differ, one level into nested dicts (`config.max_student_tokens`)."""
-    keys = []
-    for key in sorted(set(a) | set(b)):
-        left, right = a.get(key), b.get(key)
-        if left == right:
-            continue
-        if isinstance(left, dict) and isinstance(right, dict) and not prefix:
-            keys += _differing_keys(left, right, f"{key}.")
-        else:
-            keys.append(f"{prefix}{key}")
-    return keys
-
-
-def check_identity(directory, stage: str, identity: dict) -> None:
-    """Raise `CsdError` when `directory` holds the output (manifest) or the run record of another run:
-    a different stage, or identity values (config, inputs, fingerprints) that differ from `identity`.
-
-    Cheap; stages call it before doing any work that writes into the directory.
-    """
-    out = Path(directory)
-    for key in identity:
-        if key in RESERVED_KEYS:
-            raise ValueError(f"identity key {key!r} is reserved by the manifest format")
-    for path, kind in ((out / MANIFEST_NAME, "manifest"), (out / RUN_NAME, "run")):
-        if not path.is_file():
-            continue
-        try:
-            found = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            found = None
-        if not isinstance(found, dict):
-            raise CsdError(f"{path} is unreadable; delete {out} (or pass a new --output) and run the stage again.")
-        recorded = found.get("identity", {}) if kind == "run" else {key: found.get(key) for key in identity}
-        differ = _differing_keys(recorded, identity)
-        if found.get("stage") != stage or differ:
-            raise CsdError(
-                f"{out} already holds the output of another {found.get('stage', 'unknown')} run "
-                f"(its {', '.join(differ) or 'stage'} differ from this run's); pass a new --output or delete {out}."
-            )
-
-
-def check_or_record_run(run: StageRun) -> dict:
-    """Record `run` in `DIR/run.json`, or check that the recorded run is this one.
-
-    Returns the recorded run dict. Raises `CsdError` when the directory holds another run's
-    output (a different stage, config or inputs, or a different shard layout).
-    """
-    out = Path(run.output_dir)
-    check_identity(out, run.stage, run.identity)
-    record = _run_record(run)
-    run_path = out / RUN_NAME
-    if not run_path.is_file():
-        atomic_write_json(run_path, record)
-        return record
-    existing = json.loads(run_path.read_text(encoding="utf-8"))
-    if existing.get("tasks") != record["tasks"]:
-        old, new = existing.get("tasks") or [], record["tasks"]
-        raise CsdError(
-            f"{out} was started with a different shard layout ({len(old)} shards, first "
-            f"{old[0]['name'] if old else '-'}; now {len(new)}, first {new[0]['name'] if new else '-'}), "
-            "usually a different --world-size or shard size; re-run with the original settings or use a new --output."
-        )
-    differ = [key for key in record if existing.get(key) != record[key]]
-    if differ:
-        raise CsdError(
-            f"{out} was started by another version or setting of the {run.stage} stage (its {', '.join(differ)} "
-            f"differ); use a new --output or delete {out}."
-        )
-    return existing
-
-
-def read_run_record(directory) -> dict:
-    """Read `DIR/run.json`. Raises `CsdError` when the directory holds no run."""
-    path = Path(directory) / RUN_NAME
-    if not path.is_file():
-        raise CsdError(f"{directory} holds no stage run ({RUN_NAME} is missing); check the path or start the stage.")
+def check_output_dir(out: Path) -> None:
+    """Create the output directory `out`; raise `CsdError` when it is a file or cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise CsdError(f"--output {out} is a file; pass a directory.")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CsdError(f"{path} is unreadable ({err}); delete {directory} and run the stage again.") from None
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tmp_path(out / ".write-probe")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise CsdError(f"--output {out} is not writable ({err.strerror or err}); pass a directory you can write to.") from None
+
+
+def run_stage(stage: Stage, placement: Placement | None = None, *,
+              log: Callable[[str], None] | None = None) -> RunReport:
+    """Run this rank's shards of `stage` (skipping completed ones), then write its stats and, if every
+    shard of every rank is complete, the manifest. `log`: progress lines (None: quiet).
+
+    Returns a `RunReport`. Raises `CsdError` when the directory holds another run, or when a worker
+    process dies (re-running resumes).
+    """
+    placement = placement or Placement.resolve()
+    rank, world_size = placement.rank, placement.world_size
+    log = log or (lambda message: None)
+    out = Path(stage.output_dir)
+    identity = stage.identity(world_size)
+    check_identity(out, stage.name, identity)  # before anything is written into the directory
+    check_output_dir(out)
+    recorded = recorded_tasks(out)
+    if recorded is None:
+        tasks = stage.plan(world_size, log)
+    else:
+        tasks = [ShardTask.from_json(task) for task in recorded]
+    record = run_record(stage.name, stage.schema_version, identity, stage.manifest_extra(), stage.suffix, tasks)
+    record_run(out, record)
+    stage.prepare(log)
+
+    mine = tasks[rank::world_size]
+    if (out / MANIFEST_NAME).is_file() and all(read_marker(out, t.name, stage.suffix) for t in mine):
+        log(f"{out}: already complete (manifest present); nothing to do.")
+        return RunReport(rank, world_size, [], [t.name for t in mine], False, True)
+    pending = [t for t in mine if read_marker(out, t.name, stage.suffix) is None]
+    skipped = [t.name for t in mine if t not in pending]
+    if skipped:
+        log(f"rank {rank}: {len(skipped)} of {len(mine)} shards already complete, resuming.")
+    remove_tmp_files(out, [f"{t.name}{stage.suffix}" for t in pending])
+    workers = max(1, min(placement.workers, len(pending)))
+    if pending and workers == 1:
+        writer = stage.shard_writer()
+        for task in pending:
+            marker = _write_shard(writer, task, out, stage.suffix)
+            log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+    elif pending:
+        _run_in_workers(stage, pending, workers, out, rank, log)
+    write_rank_stats(out, record, rank, world_size)
+    manifest = finalize(out, log=log)
+    return RunReport(rank, world_size, [t.name for t in pending], skipped, manifest is not None, manifest is not None)
 
 
 # ---------------------------------------------------------------------------------------------
-# Markers and stats
+# Writing one shard
 
-
-def marker_path(directory, name: str) -> Path:
-    """Where the completion marker of shard `name` lives."""
-    return Path(directory) / "done" / f"{name}.done"
-
-
-def read_marker(directory, name: str, suffix: str) -> dict | None:
-    """The completion marker of shard `name` if it exists and its shard file has the recorded size."""
-    path = marker_path(directory, name)
-    if not path.is_file():
-        return None
-    try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    shard = Path(directory) / f"{name}{suffix}"
-    if not shard.is_file() or shard.stat().st_size != marker.get("bytes"):
-        return None
-    return marker
-
-
-def merge_stats(total: dict, part: dict) -> dict:
-    """Add the nested counters of `part` into `total` (in place) and return `total`."""
-    for key, value in part.items():
-        if isinstance(value, dict):
-            merge_stats(total.setdefault(key, {}), value)
-        else:
-            total[key] = total.get(key, 0) + value
-    return total
-
-
-def _sorted_stats(stats: dict) -> dict:
-    return {k: _sorted_stats(v) if isinstance(v, dict) else v for k, v in sorted(stats.items())}
-
-
-# ---------------------------------------------------------------------------------------------
-# Running shards
-
-_WORKER_PROCESSOR = None
-_WORKER_COUNT = 0
-
-
-def _load_processor(processor: str, config: dict):
-    import importlib
-
-    module_name, attr = processor.split(":")
-    return getattr(importlib.import_module(module_name), attr)(config)
-
-
-def _init_worker(processor: str, config: dict) -> None:
-    global _WORKER_PROCESSOR
-    _WORKER_PROCESSOR = _load_processor(processor, config)
+_shards_started = 0  # shards this process began (for the CSD_TEST_CRASH hook)
 
 
 def _maybe_crash(point: str) -> None:
@@ -343,95 +252,57 @@ def _maybe_crash(point: str) -> None:
     if not wanted:
         return
     want_point, _, count = wanted.partition(":")
-    if want_point == point and str(_WORKER_COUNT) == count:
+    if want_point == point and str(_shards_started) == count:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _write_shard(processor, task: dict, directory: str, suffix: str) -> dict:
+def _write_shard(writer, task: ShardTask, out: Path, suffix: str) -> dict:
     """Run one shard to completion: write to a temporary file, rename, write the marker."""
-    global _WORKER_COUNT
-    _WORKER_COUNT += 1
-    task_obj = ShardTask(task["index"], task["name"], task["spec"])
-    final = Path(directory) / f"{task_obj.name}{suffix}"
-    tmp = _tmp_path(final)
-    result = processor(task_obj, tmp)
+    global _shards_started
+    _shards_started += 1
+    final = out / f"{task.name}{suffix}"
+    tmp = tmp_path(final)
+    result = writer(task, tmp)
     _maybe_crash("before_rename")
-    with tmp.open("rb") as handle:
-        os.fsync(handle.fileno())
     marker = {
-        "name": task_obj.name,
-        "index": task_obj.index,
+        "name": task.name,
+        "index": task.index,
         "file": final.name,
         "rows": int(result.rows),
         "bytes": tmp.stat().st_size,
         "sha256": file_sha256(tmp),
-        "stats": _sorted_stats(result.stats),
+        "stats": sorted_stats(result.stats),
     }
-    os.replace(tmp, final)
+    commit(tmp, final)
     _maybe_crash("before_marker")
-    atomic_write_json(marker_path(directory, task_obj.name), marker)
+    atomic_write_json(marker_path(out, task.name), marker)
     _maybe_crash("after_marker")
     return marker
 
 
-def _worker_write_shard(task: dict, directory: str, suffix: str) -> dict:
-    return _write_shard(_WORKER_PROCESSOR, task, directory, suffix)
+# Each worker process holds the one shard writer it was started with (set by `_start_worker`).
+_worker_writer = None
 
 
-def _remove_stale_tmp(directory: Path, names: list[str], suffix: str) -> None:
-    # A killed run leaves `<shard>.<host>.<pid>.tmp`; this rank owns its shards' names.
-    prefixes = tuple(f"{name}{suffix}." for name in names)
-    if not prefixes:
-        return
-    for path in directory.glob(f"*{suffix}.*.tmp"):
-        if path.name.startswith(prefixes):
-            path.unlink(missing_ok=True)
+def _start_worker(writer) -> None:
+    global _worker_writer
+    _worker_writer = writer
 
 
-def run_stage(run: StageRun, *, rank: int = 0, world_size: int = 1, workers: int = 1,
-              log: Callable[[str], None] | None = None) -> RunReport:
-    """Run this rank's shards of `run` (skipping completed ones), then write its stats and, if every
-    shard of every rank is complete, the manifest.
-
-    Returns a `RunReport`. Raises `CsdError` when the directory holds another run, or when a worker
-    process dies (re-running resumes).
-    """
-    log = log or (lambda message: print(message, file=sys.stderr))
-    out = Path(run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    check_or_record_run(run)
-    mine = run.tasks[rank::world_size]
-    if (out / MANIFEST_NAME).is_file() and all(read_marker(out, t.name, run.suffix) for t in mine):
-        log(f"{out}: already complete (manifest present); nothing to do.")
-        return RunReport(rank, world_size, [], [t.name for t in mine], False, True)
-    pending = [t for t in mine if read_marker(out, t.name, run.suffix) is None]
-    skipped = [t.name for t in mine if t not in pending]
-    if skipped:
-        log(f"rank {rank}: {len(skipped)} of {len(mine)} shards already complete, resuming.")
-    _remove_stale_tmp(out, [t.name for t in pending], run.suffix)
-    workers = max(1, min(workers, len(pending)))
-    if pending and workers == 1:
-        processor = _load_processor(run.processor, run.processor_config)
-        for task in pending:
-            marker = _write_shard(processor, task.to_json(), str(out), run.suffix)
-            log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
-    elif pending:
-        _run_in_workers(run, pending, workers, out, rank, log)
-    _write_rank_stats(out, run, rank, world_size)
-    manifest = finalize(out, log=log)
-    return RunReport(rank, world_size, [t.name for t in pending], skipped, manifest is not None, manifest is not None)
+def _worker_write_shard(task: ShardTask, out: Path, suffix: str) -> dict:
+    return _write_shard(_worker_writer, task, out, suffix)
 
 
-def _run_in_workers(run: StageRun, pending: list[ShardTask], workers: int, out: Path, rank: int, log) -> None:
+def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: Path, rank: int, log) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
 
     context = multiprocessing.get_context("spawn")
     try:
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(run.processor, run.processor_config)) as pool:
-            futures = [pool.submit(_worker_write_shard, task.to_json(), str(out), run.suffix) for task in pending]
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                 initargs=(stage.shard_writer(),)) as pool:
+            futures = [pool.submit(_worker_write_shard, task, out, stage.suffix) for task in pending]
             for future in as_completed(futures):
                 marker = future.result()
                 log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
@@ -440,95 +311,3 @@ def _run_in_workers(run: StageRun, pending: list[ShardTask], workers: int, out: 
             f"a worker process of rank {rank} died (killed or out of memory) while writing {out}; "
             "re-run the same command to resume, with fewer --workers if memory is short."
         ) from None
-
-
-def _write_rank_stats(out: Path, run: StageRun, rank: int, world_size: int) -> None:
-    mine = run.tasks[rank::world_size]
-    markers = [read_marker(out, t.name, run.suffix) for t in mine]
-    if any(m is None for m in markers):
-        return
-    stats: dict = {}
-    for marker in markers:
-        merge_stats(stats, marker["stats"])
-    atomic_write_json(out / "stats" / f"rank-{rank:05d}.json", {
-        "rank": rank,
-        "world_size": world_size,
-        "shards": [m["name"] for m in markers],
-        "rows": sum(m["rows"] for m in markers),
-        "bytes": sum(m["bytes"] for m in markers),
-        "stats": _sorted_stats(stats),
-    })
-
-
-# ---------------------------------------------------------------------------------------------
-# Status and manifest
-
-
-def stage_status(directory) -> dict:
-    """Which shards of the run in `directory` are complete.
-
-    Returns {"stage", "complete" (manifest present), "shards_total", "shards_done", "missing"
-    (names), "tasks": [{"name", "done", "rows"}]}. Raises `CsdError` when `directory` holds no run.
-    """
-    out = Path(directory)
-    record = read_run_record(out)
-    tasks = []
-    for task in record["tasks"]:
-        marker = read_marker(out, task["name"], record["suffix"])
-        tasks.append({"name": task["name"], "done": marker is not None, "rows": marker["rows"] if marker else None})
-    missing = [t["name"] for t in tasks if not t["done"]]
-    return {
-        "directory": str(out),
-        "stage": record["stage"],
-        "complete": (out / MANIFEST_NAME).is_file(),
-        "shards_total": len(tasks),
-        "shards_done": len(tasks) - len(missing),
-        "missing": missing,
-        "tasks": tasks,
-    }
-
-
-def build_manifest(record: dict, markers: list[dict]) -> dict:
-    """The manifest of a run record whose shards are all complete (`markers` in task order)."""
-    stats: dict = {}
-    for marker in markers:
-        merge_stats(stats, marker["stats"])
-    manifest = {
-        "manifest_version": MANIFEST_VERSION,
-        "stage": record["stage"],
-        "schema_version": record["schema_version"],
-        "shards": [{key: m[key] for key in ("name", "file", "rows", "bytes", "sha256")} for m in markers],
-        "totals": {
-            "shards": len(markers),
-            "rows": sum(m["rows"] for m in markers),
-            "bytes": sum(m["bytes"] for m in markers),
-            "stats": _sorted_stats(stats),
-        },
-    }
-    manifest.update(record["identity"])
-    manifest.update(record["extra"])
-    return manifest
-
-
-def finalize(directory, log: Callable[[str], None] | None = None) -> dict | None:
-    """Write `DIR/manifest.json` if every shard of the recorded run is complete.
-
-    Returns the manifest, or None (and logs what is missing) when shards are missing.
-    Safe to call from several ranks at once: they write the same bytes through atomic renames.
-    """
-    log = log or (lambda message: print(message, file=sys.stderr))
-    out = Path(directory)
-    record = read_run_record(out)
-    markers = [read_marker(out, t["name"], record["suffix"]) for t in record["tasks"]]
-    missing = [t["name"] for t, m in zip(record["tasks"], markers, strict=True) if m is None]
-    if missing:
-        log(f"{out}: {len(missing)} of {len(markers)} shards not complete yet (first: {missing[0]}); "
-            "no manifest written.")
-        return None
-    manifest = build_manifest(record, markers)
-    data = json_bytes(manifest)
-    path = out / MANIFEST_NAME
-    if not path.is_file() or path.read_bytes() != data:
-        atomic_write_bytes(path, data)
-        log(f"{out}: all {len(markers)} shards complete; wrote {MANIFEST_NAME}.")
-    return manifest

@@ -107,7 +107,7 @@ def verify_shards(manifest: dict, directory, *, check_hash: bool = False) -> lis
 
     Returns a list of problems, one sentence each (empty when all is well).
     """
-    import hashlib
+    from csd_pipeline.runtime.files import file_sha256
 
     problems = []
     for shard, path in zip(manifest["shards"], shard_paths(manifest, directory), strict=True):
@@ -118,11 +118,6 @@ def verify_shards(manifest: dict, directory, *, check_hash: bool = False) -> lis
         if size != shard["bytes"]:
             problems.append(f"shard {shard['file']} has {size} bytes, the manifest says {shard['bytes']}")
             continue
-        if check_hash:
-            digest = hashlib.sha256()
-            with path.open("rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-            if digest.hexdigest() != shard["sha256"]:
-                problems.append(f"shard {shard['file']} does not have the sha256 the manifest records")
+        if check_hash and file_sha256(path) != shard["sha256"]:
+            problems.append(f"shard {shard['file']} does not have the sha256 the manifest records")
     return problems

@@ -8,14 +8,14 @@ the caller passes `trust_remote_code=True` (the `--trust-remote-code` flag).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.files import atomic_write_text, bytes_sha256, file_sha256
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 TRAINING_DTYPES = ("auto", "float32", "bfloat16")  # csd-train's parameter dtypes (float16 would need loss scaling)
@@ -46,7 +46,6 @@ class LoadedModel:
     dtype: object
     device: object
     output_size: int
-    extra: dict = field(default_factory=dict)
 
 
 def resolve_device(device: str = "auto"):
@@ -103,7 +102,7 @@ def file_sha256_cached(path) -> str:
     """
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(str(path).encode("utf-8")).hexdigest()
+    key = bytes_sha256(str(path).encode("utf-8"))
     cache_file = _hash_cache_dir() / f"{key}.json"
     stamp = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     try:
@@ -112,16 +111,9 @@ def file_sha256_cached(path) -> str:
             return cached["sha256"]
     except (OSError, ValueError):
         pass
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    value = digest.hexdigest()
+    value = file_sha256(path)
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**stamp, "sha256": value}), encoding="utf-8")
-        os.replace(tmp, cache_file)
+        atomic_write_text(cache_file, json.dumps({**stamp, "sha256": value}))
     except OSError:
         pass
     return value
@@ -147,8 +139,8 @@ def model_fingerprint(path, gguf_file: str | None = None) -> dict:
         raise CsdError(f"model {path} holds no weight file ({', '.join(WEIGHT_SUFFIXES)}); pass a model folder, "
                        "a GGUF file or a hub name.")
     hashes = {f.name: file_sha256_cached(f) for f in files}
-    combined = hashlib.sha256("".join(f"{name}\0{value}\n" for name, value in hashes.items()).encode("utf-8"))
-    return {"sha256": combined.hexdigest(), "files": hashes}
+    combined = bytes_sha256("".join(f"{name}\0{value}\n" for name, value in hashes.items()).encode("utf-8"))
+    return {"sha256": combined, "files": hashes}
 
 
 # ---------------------------------------------------------------------------------------------

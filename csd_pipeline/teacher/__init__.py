@@ -1,1 +1,2 @@
-"""Stage 3: the teacher forward, its top-k codec, the teacher-logits stage and the teacher top-k reader."""
+"""Stage 3: the teacher forward, its top-k codec, the teacher-logits stage (config, stage, shard
+writer) and `TeacherTopkOutput`, the one reader of its outputs."""

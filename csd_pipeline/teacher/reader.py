@@ -1,4 +1,5 @@
-"""Read teacher top-k shards (SPEC §8): `read_teacher_topk(DIR)` and `read_teacher_shard(DIR, FILE)`.
+"""Read teacher top-k outputs (SPEC §8): `TeacherTopkOutput.open(DIR)`, `read_teacher_topk(DIR)` and
+`read_teacher_shard(DIR, FILE)`.
 
 Rows come in the aligned order (the shards are co-partitioned with the aligned shards). Each row
 gives `row_id`, `ids` int32 [T, k], `logprobs` float32 [T, k] (descending; every value within
@@ -17,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+
+TEACHER_RERUN = "csd-pipeline teacher-logits"
 
 
 @dataclass
@@ -131,18 +134,70 @@ class TeacherShard(Sequence):
             yield from self._decode(block)
 
 
+class TeacherTopkOutput:
+    """A complete teacher-logits output, read in one place: `TeacherTopkOutput.open(DIR)`.
+
+    It owns the manifest keys (the teacher index, the aligned manifest it was computed from) and the
+    shard list (from the manifest, never a glob of the folder). `directory`, `manifest` (a plain
+    dict) and `shard_files` are public; everything crosses process boundaries (no open files).
+    """
+
+    def __init__(self, directory, manifest: dict):
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self.shard_files = [shard["file"] for shard in manifest["shards"]]
+
+    @classmethod
+    def open(cls, directory) -> TeacherTopkOutput:
+        """Read and check `DIR/manifest.json` (stage, schema version). Raises `ManifestError`."""
+        from csd_pipeline.runtime.manifest import read_manifest
+        from schemas.teacher_topk import SCHEMA_VERSION, STAGE
+
+        return cls(directory, read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION]))
+
+    @property
+    def teacher_index(self) -> int:
+        """Which teacher of the aligned output this is (its `teacher{i}_*` columns)."""
+        return int((self.manifest.get("config") or {}).get("teacher_index") or 0)
+
+    def verify(self) -> None:
+        """Raise `CsdError` unless every shard exists with the size its manifest records."""
+        from csd_pipeline.runtime.manifest import verify_shards
+
+        problems = verify_shards(self.manifest, self.directory)
+        if problems:
+            raise CsdError(f"teacher top-k directory {self.directory}: {problems[0]}; re-run `{TEACHER_RERUN}` into it")
+
+    def check_pairs_with(self, aligned) -> None:
+        """Raise `CsdError` unless this output was computed from the `AlignedOutput` `aligned`: the
+        sha256 of its manifest is the one recorded here, and the shards have the same names and rows."""
+        recorded = (self.manifest.get("aligned") or {}).get("manifest_sha256")
+        actual = aligned.manifest_sha256()
+        if recorded != actual:
+            raise CsdError(
+                f"teacher top-k in {self.directory} was computed from another aligned directory than "
+                f"{aligned.directory} (aligned manifest sha256 {str(recorded)[:12]} recorded, {actual[:12]} found); "
+                f"re-run `{TEACHER_RERUN} --aligned {aligned.directory}`"
+            )
+        ours = [(s["name"], s["rows"]) for s in self.manifest["shards"]]
+        if ours != [(s.name, s.rows) for s in aligned.shards]:
+            raise CsdError(f"teacher top-k shards in {self.directory} are not co-partitioned with {aligned.directory}; "
+                           f"re-run `{TEACHER_RERUN} --aligned {aligned.directory}`")
+
+    def shard(self, index: int, cache_bytes: int = 0) -> TeacherShard:
+        """Shard `index` (manifest order), keeping up to `cache_bytes` of decoded blocks."""
+        return TeacherShard(self.directory / self.shard_files[index], cache_bytes)
+
+    def rows(self) -> Iterator[TeacherTopkRow]:
+        """Every row, shard by shard in manifest order, rows in aligned order."""
+        for index in range(len(self.shard_files)):
+            yield from self.shard(index)
+
+
 def read_teacher_shard(directory, shard_file, cache_bytes: int = 0) -> TeacherShard:
     """One shard of a teacher-logits output (`shard_file` as listed in its manifest), as a `TeacherShard`
     keeping up to `cache_bytes` of decoded blocks."""
     return TeacherShard(Path(directory) / shard_file, cache_bytes)
-
-
-def teacher_manifest(directory) -> dict:
-    """The checked manifest of a teacher-logits output (ManifestError naming the stage to re-run)."""
-    from csd_pipeline.runtime.manifest import read_manifest
-    from schemas.teacher_topk import SCHEMA_VERSION, STAGE
-
-    return read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION])
 
 
 def read_teacher_topk(directory) -> Iterator[TeacherTopkRow]:
@@ -151,15 +206,6 @@ def read_teacher_topk(directory) -> Iterator[TeacherTopkRow]:
     Raises CsdError (before yielding) when the directory has no manifest, is another stage's output,
     has an unknown schema version or misses a shard.
     """
-    from csd_pipeline.runtime.manifest import verify_shards
-
-    manifest = teacher_manifest(directory)
-    problems = verify_shards(manifest, directory)
-    if problems:
-        raise CsdError(f"{directory}: {problems[0]}; re-run csd-pipeline teacher-logits.")
-
-    def rows():
-        for shard in manifest["shards"]:
-            yield from read_teacher_shard(directory, shard["file"])
-
-    return rows()
+    output = TeacherTopkOutput.open(directory)
+    output.verify()
+    return output.rows()

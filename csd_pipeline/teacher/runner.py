@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +54,8 @@ class TeacherRunner:
     vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k.
     """
 
-    def __init__(self, loaded, *, top_k: int, vocab_limit: int, temperature: float = 1.0,
-                 batch_tokens: int = 8192, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+    def __init__(self, loaded, *, top_k: int, vocab_limit: int, batch_tokens: int, temperature: float = 1.0,
+                 logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
         import torch
 
         self.loaded = loaded
@@ -71,10 +70,6 @@ class TeacherRunner:
             raise CsdError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_limit}); pass a smaller --top-k.")
         self.temperature = temperature
         self.batch_tokens = batch_tokens
-        # Seconds spent in the teacher's forward itself (decoder + output layer), measured inside the
-        # stage when `time_forward` is set, so a benchmark can split the stage's time on a busy machine.
-        self.time_forward = loaded.device.type == "cpu"
-        self.forward_seconds = 0.0
         self.chunk = max(1, logit_chunk_elements // self.output_size)
         self._head = None
         self.path = "forward"
@@ -138,24 +133,6 @@ class TeacherRunner:
             mask[b, : len(row)] = 1
         return input_ids.to(self.device), mask.to(self.device)
 
-    def forward_only(self, rows: list[np.ndarray], *, own_path: bool = False) -> None:
-        """Only the teacher's forward on a padded batch, for benchmarks: the model's plain forward
-        (`model(...).logits`), or with `own_path` the same computation this runner does (decoder, then
-        float32 output layer on the real positions, chunk by chunk) without log-softmax, top-k or copies."""
-        import torch
-
-        input_ids, mask = self._batch_tensors(rows)
-        with torch.inference_mode():
-            if not own_path or self._head is None:
-                self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()
-                return
-            width = input_ids.shape[1]
-            flat = torch.cat([torch.arange(len(r), device=self.device) + b * width for b, r in enumerate(rows)])
-            states = self._base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
-            states = states.reshape(-1, states.shape[-1])[flat]
-            for start in range(0, states.shape[0], self.chunk):
-                self._head_logits(states[start:start + self.chunk])
-
     def _batch_topk(self, rows: list[np.ndarray]) -> list[RowTopk]:
         import torch
 
@@ -165,22 +142,17 @@ class TeacherRunner:
         flat = torch.cat([torch.arange(n, device=self.device) + b * width for b, n in enumerate(lengths)])
         next_ids = torch.from_numpy(np.concatenate(
             [np.append(np.asarray(r[1:], dtype=np.int64), -1) for r in rows])).to(self.device)
-        clock = self._clock
         with torch.inference_mode():
-            began = clock()
             if self._head is not None:
                 states = self._base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
                 states = states.reshape(-1, states.shape[-1])[flat]
             else:
                 logits_all = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
                 states = logits_all.reshape(-1, logits_all.shape[-1])[flat]
-            forward = clock() - began
             ids_out, lp_out, obs_out, ok_out = [], [], [], []
             for start in range(0, states.shape[0], self.chunk):
                 part = states[start:start + self.chunk]
-                began = clock()
                 logits = self._head_logits(part) if self._head is not None else part.float()
-                forward += clock() - began
                 if self.temperature != 1.0:
                     logits = logits / self.temperature
                 # Padded rows (ids >= tokenizer size) never enter the top-k ...
@@ -208,19 +180,7 @@ class TeacherRunner:
             part = slice(offset, offset + n)
             results.append(RowTopk(ids_all[part], lp_all[part], obs_all[part], bool(ok_all[part].all())))
             offset += n
-        self.forward_seconds += forward
         return results
-
-    def _clock(self) -> float:
-        # Only for `forward_seconds` (benchmarks): on a GPU the clock waits for the device, so
-        # timing is left off there unless asked for.
-        if not self.time_forward:
-            return 0.0
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
     def _run_batch(self, rows: list[np.ndarray]) -> list[RowTopk]:
         import torch

@@ -14,13 +14,13 @@ puts these together into a `Vocabulary`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 
 import numpy as np
 
 from csd_pipeline.errors import UnsupportedTokenizerError
+from csd_pipeline.runtime.files import bytes_sha256
 
 SPM_SPACE = "\u2581"
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -209,7 +209,4 @@ def adds_bos(spec: dict, config: dict) -> bool:
 
 def tokenizer_fingerprint(raw_json: str, roles: dict[str, int]) -> str:
     """sha256 of the serialized tokenizer and its special-token map."""
-    h = hashlib.sha256()
-    h.update(raw_json.encode("utf-8"))
-    h.update(json.dumps(roles, sort_keys=True).encode("utf-8"))
-    return h.hexdigest()
+    return bytes_sha256(raw_json.encode("utf-8"), json.dumps(roles, sort_keys=True).encode("utf-8"))

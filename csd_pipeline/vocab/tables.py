@@ -17,7 +17,6 @@ code. Entries are stored by spelling, each spelling represented by its smallest 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -26,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.files import atomic_path, bytes_sha256
+from csd_pipeline.vocab.config import TableCheckConfig
 from csd_pipeline.vocab.vocabulary import TokenizerBundle, Vocabulary
 
 TABLE_FORMAT_VERSION = 1
@@ -124,20 +125,16 @@ class SubtokenTable:
             "canonical": self.canonical,
             "payload_sha256": _payload_hash(tensors),
         }
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
         except OSError as err:
             raise CsdError(f"table output {path}: cannot write it ({err.strerror}); check the path and free space") from None
 
 
 def _payload_hash(tensors: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for key in sorted(tensors):
-        h.update(key.encode())
-        h.update(np.ascontiguousarray(tensors[key]).tobytes())
-    return h.hexdigest()
+    return bytes_sha256(*(part for key in sorted(tensors)
+                          for part in (key.encode(), np.ascontiguousarray(tensors[key]).tobytes())))
 
 
 def load_table(path: str | os.PathLike) -> SubtokenTable:
@@ -268,7 +265,7 @@ def validate_tables(
     teacher_to_student: SubtokenTable,
     *,
     names: tuple[str, str] = ("student-to-teacher", "teacher-to-student"),
-    sample: int = 2000,
+    sample: int = TableCheckConfig.sample,
     seed: int = 0,
 ) -> dict:
     """Check both tables against the tokenizers; raise CsdError on the first mismatch.

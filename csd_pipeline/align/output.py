@@ -1,0 +1,247 @@
+"""An aligned output (the align stage's DIR), read in one place: `AlignedOutput.open(DIR)`.
+
+`AlignedOutput` owns what a reader needs to know of the format: the manifest keys (config,
+tokenizers, tables), the shard list (from the manifest, never a glob of the folder), the column
+names of the student and of each teacher (`schemas/aligned.py` names them) and the reading of
+shard columns. Every later stage (teacher-logits, the trainer, bits-per-byte, `inspect`) reads
+aligned outputs through it. Errors are `CsdError`s naming the directory and what to re-run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from csd_pipeline.errors import CsdError
+from schemas.aligned import SCHEMA_VERSION, STAGE, teacher_columns
+
+ALIGN_RERUN = "csd-pipeline align"
+STUDENT_COLUMNS = ("student_ids", "student_loss_mask")
+
+
+@dataclass(frozen=True)
+class AlignedShard:
+    """One shard as the manifest lists it."""
+
+    name: str
+    file: str
+    rows: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SideColumns:
+    """The columns one side (the student or teacher i) is scored from: its token ids, the chunk
+    lengths on its side and the chunk statuses (the student reads teacher 0's chunks)."""
+
+    ids: str
+    chunk_len: str
+    chunk_status: str
+
+
+@dataclass(frozen=True)
+class TeacherTokenizer:
+    """What an aligned output records of teacher tokenizer `index`."""
+
+    index: int
+    fingerprint: str | None
+    size: int
+    name: str | None
+
+
+class AlignedOutput:
+    """A complete aligned output: `directory` and its checked `manifest` (a plain dict)."""
+
+    def __init__(self, directory, manifest: dict):
+        self.directory = Path(directory)
+        self.manifest = manifest
+        self.shards = [AlignedShard(s["name"], s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"])
+                       for s in manifest["shards"]]
+
+    @classmethod
+    def open(cls, directory) -> AlignedOutput:
+        """Read and check `DIR/manifest.json` (stage, schema version). Raises `ManifestError`."""
+        from csd_pipeline.runtime.manifest import read_manifest
+
+        return cls(directory, read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION]))
+
+    # -- shards ---------------------------------------------------------------------------
+
+    @property
+    def total_rows(self) -> int:
+        return sum(shard.rows for shard in self.shards)
+
+    def shard_path(self, shard: AlignedShard) -> Path:
+        return self.directory / shard.file
+
+    def verify(self) -> None:
+        """Raise `CsdError` unless every shard exists with the size its manifest records."""
+        from csd_pipeline.runtime.manifest import verify_shards
+
+        problems = verify_shards(self.manifest, self.directory)
+        if problems:
+            raise CsdError(f"aligned directory {self.directory}: {problems[0]}; re-run `{ALIGN_RERUN}` into it")
+
+    def manifest_sha256(self) -> str:
+        """sha256 of `DIR/manifest.json` (what a teacher-logits output records of the aligned data)."""
+        from csd_pipeline.runtime.files import file_sha256
+        from csd_pipeline.runtime.manifest import MANIFEST_NAME
+
+        return file_sha256(self.directory / MANIFEST_NAME)
+
+    # -- config and tokenizers ------------------------------------------------------------
+
+    @property
+    def mode(self) -> str:
+        return self._config.get("mode", "text")
+
+    @property
+    def context_token(self) -> bool:
+        return bool(self._config.get("context_token", True))
+
+    @property
+    def max_student_tokens(self) -> int | None:
+        value = self._config.get("max_student_tokens")
+        return None if value is None else int(value)
+
+    @property
+    def _config(self) -> dict:
+        return self.manifest.get("config") or {}
+
+    @property
+    def _tokenizers(self) -> dict:
+        return self.manifest.get("tokenizers") or {}
+
+    @property
+    def num_teachers(self) -> int:
+        return len(self._tokenizers.get("teachers") or [])
+
+    def check_teacher_index(self, index: int, option: str = "--teacher-index") -> None:
+        """Raise `CsdError` (naming `option`) unless the output aligns a teacher `index`."""
+        if not 0 <= index < self.num_teachers:
+            raise CsdError(f"{option} {index} is out of range: {self.directory} was aligned for {self.num_teachers} "
+                           f"teacher(s); pass an index in [0, {self.num_teachers}).")
+
+    def require_tokenizer(self, side, fingerprint: str) -> None:
+        """Raise `ManifestError` unless `side` ("student" or a teacher index) was aligned with the
+        tokenizer of `fingerprint`."""
+        from csd_pipeline.runtime.manifest import require_fingerprint
+
+        if side == "student":
+            what, recorded = "student tokenizer", (self._tokenizers.get("student") or {}).get("fingerprint")
+        else:
+            self.check_teacher_index(int(side), "teacher")
+            what, recorded = f"teacher tokenizer {side}", self._tokenizers["teachers"][int(side)].get("fingerprint")
+        require_fingerprint(self.manifest, self.directory, what, recorded, fingerprint)
+
+    def teacher_tokenizer(self, index: int) -> TeacherTokenizer:
+        """Teacher tokenizer `index`: fingerprint, vocabulary size and name.
+
+        The size is in the manifest since the align stage records it; for an older output it comes
+        from the teacher->student table the directory carries. Raises `CsdError`.
+        """
+        self.check_teacher_index(index)
+        record = self._tokenizers["teachers"][index]
+        size = record.get("size")
+        if size is None:
+            from csd_pipeline.vocab.tables import load_table
+
+            table = load_table(self.tables(index)[1])
+            if table.source_fingerprint != record.get("fingerprint"):
+                raise CsdError(f"the teacher->student table of {self.directory} does not match its manifest's teacher "
+                               f"tokenizer {index}; re-run {ALIGN_RERUN}.")
+            size = table.source.size
+        return TeacherTokenizer(index, record.get("fingerprint"), int(size), record.get("name"))
+
+    def tables(self, index: int) -> tuple[Path, Path]:
+        """(student->teacher, teacher->student) table paths of teacher `index`, checked to exist."""
+        tables = self.manifest.get("tables")
+        entries = [t for t in tables if isinstance(t, dict) and t.get("teacher") == index] if isinstance(tables, list) else []
+        entry = entries[0] if entries else {}
+        if "student_to_teacher" not in entry or "teacher_to_student" not in entry:
+            raise CsdError(f"aligned manifest of {self.directory} lists no tables for teacher {index}; "
+                           f"re-run `{ALIGN_RERUN}`")
+        paths = (self.directory / entry["student_to_teacher"], self.directory / entry["teacher_to_student"])
+        for path in paths:
+            if not path.is_file():
+                raise CsdError(f"table {path} listed by the aligned manifest is missing; re-run `{ALIGN_RERUN}`")
+        return paths
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """What `csd-pipeline inspect` reports of the totals: windows, documents, tokens, bytes per
+        token, chunk statuses and accepted shapes per teacher, rejections (and chat-mode counts)."""
+        stats = self.manifest["totals"].get("stats", {})
+        tokens = stats.get("tokens", {})
+        text_bytes = stats.get("bytes", {}).get("windows", 0)
+        teachers = [f"teacher{i}" for i in range(self.num_teachers) if f"teacher{i}" in stats]
+        report = {
+            "windows": stats.get("windows", 0),
+            "documents": stats.get("documents", {}),
+            "tokens": tokens,
+            "text_bytes": text_bytes,
+            "bytes_per_token": {side: round(text_bytes / n, 4) if n else None for side, n in tokens.items()},
+            "chunk_status": {t: stats[t]["chunk_status"] for t in teachers},
+            "chunk_shapes": {t: stats[t]["accepted_shapes"] for t in teachers},
+            "rejections": {
+                "documents": stats.get("rejected_documents", {}),
+                "window_regions": stats.get("rejected_regions", {}),
+                "window_region_bytes": stats.get("rejected_region_bytes", 0),
+                "chunks": {t: {k: v for k, v in stats[t]["chunk_status"].items() if k not in ("ACCEPTED", "SPECIAL") and v}
+                           for t in teachers},
+            },
+        }
+        if "chat" in stats:  # chat mode: supervised (loss-mask) tokens and bytes, first chunks dropped from KD
+            rows = stats.get("windows", 0)
+            per_row = round(stats["chat"].get("supervised_student_tokens", 0) / rows, 2) if rows else None
+            report["chat"] = {**stats["chat"], "supervised_student_tokens_per_row": per_row}
+        return report
+
+    # -- columns --------------------------------------------------------------------------
+
+    def side_columns(self, side) -> SideColumns:
+        """The columns of `side`: "student" or a teacher index."""
+        if side == "student":
+            _, student_len, _, status = teacher_columns(0)
+            return SideColumns(STUDENT_COLUMNS[0], student_len, status)
+        ids, _, teacher_len, status = teacher_columns(int(side))
+        return SideColumns(ids, teacher_len, status)
+
+    @staticmethod
+    def training_columns(teacher_indices) -> list[str]:
+        """The columns a training row needs: row_id, the student's, and those of each teacher given."""
+        columns = ["row_id", *STUDENT_COLUMNS]
+        for index in teacher_indices:
+            columns += list(teacher_columns(index))
+        return columns
+
+    def read(self, shard: AlignedShard, columns: list[str]):
+        """The `columns` of one shard as a pyarrow Table. Raises `CsdError` for a missing column or an
+        unreadable file."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = self.shard_path(shard)
+        try:
+            parquet = pq.ParquetFile(str(path))
+            missing = [name for name in columns if name not in parquet.schema_arrow.names]
+            if not missing:
+                return parquet.read(columns=columns)
+        except (OSError, pa.ArrowInvalid) as err:
+            raise CsdError(f"cannot read aligned shard {path} ({str(err).splitlines()[0]}); "
+                           f"re-run `{ALIGN_RERUN}`") from None
+        raise CsdError(f"aligned shard {path} has no column {missing[0]}: {self.directory} aligns {self.num_teachers} "
+                       f"teacher(s); pass a teacher index it has, or re-run `{ALIGN_RERUN}` with that teacher.")
+
+    def teacher_rows(self, shard: AlignedShard, index: int):
+        """(row ids, teacher `index`'s ids of each row as int64 arrays) of one shard, in row order."""
+        import numpy as np
+
+        ids = teacher_columns(index)[0]
+        table = self.read(shard, ["row_id", ids])
+        lists = table.column(ids).combine_chunks()
+        offsets = lists.offsets.to_numpy()
+        values = lists.values.to_numpy().astype(np.int64)
+        return table.column("row_id").to_pylist(), [values[offsets[i]:offsets[i + 1]] for i in range(len(table))]

@@ -1,0 +1,118 @@
+"""The one home of atomic writes (`*.tmp`, then rename) and of sha256 helpers.
+
+A reader never sees half a file: everything is written under a temporary name next to its final
+path, flushed to disk, then renamed over it (`os.replace`, atomic on POSIX file systems).
+Temporary names end with `.tmp`, so listings ignore them, and carry the host name and process id,
+so ranks that share a file system never write the same temporary file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+HASH_BLOCK = 1 << 20
+
+
+def tmp_path(path) -> Path:
+    """The temporary name of `path` for this host and process: `<name>.<host>.<pid>.tmp`, same folder."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def commit(tmp, path) -> None:
+    """Flush the finished file `tmp` to disk and rename it to `path` (replacing what was there)."""
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_path(path) -> Iterator[Path]:
+    """Yield a temporary path to write `path` through; `commit` it when the block succeeds.
+
+    The folder of `path` is created. If the block raises, the temporary file is removed and `path`
+    is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path(path)
+    try:
+        yield tmp
+        commit(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """Write `data` to `path` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def json_bytes(obj) -> bytes:
+    """The canonical JSON encoding of run records, markers and manifests (sorted keys, indent 2, UTF-8)."""
+    return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def atomic_write_json(path, obj) -> None:
+    """Write `obj` as canonical JSON (`json_bytes`) to `path` atomically."""
+    atomic_write_bytes(path, json_bytes(obj))
+
+
+def atomic_copy(source, target) -> None:
+    """Copy the file `source` to `target` atomically."""
+    with atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)
+
+
+def replace_directory(built, final) -> None:
+    """Put the finished folder `built` at `final`, replacing a folder that is there.
+
+    A folder cannot be renamed over one that has content, so the old one is first moved aside
+    under a `*.tmp` name, then removed.
+    """
+    built, final = Path(built), Path(final)
+    old = tmp_path(final.with_name(final.name + ".old"))
+    if final.exists():
+        os.replace(final, old)
+    os.replace(built, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_tmp_files(directory, names) -> None:
+    """Remove the temporary files that any host or process left for the final file names `names` in
+    `directory` (a killed writer leaves `<name>.<host>.<pid>.tmp`)."""
+    directory = Path(directory)
+    for name in names:
+        for path in directory.glob(f"{name}.*.tmp"):
+            path.unlink(missing_ok=True)
+
+
+def file_sha256(path) -> str:
+    """sha256 of a file's bytes, as hex (read in 1 MiB blocks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def bytes_sha256(*parts: bytes) -> str:
+    """sha256 of the concatenation of `parts`, as hex."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()

@@ -1,0 +1,48 @@
+"""`TeacherLogitsConfig`: the options of `csd-pipeline teacher-logits`, each with its one default and help.
+
+The click command (`cli/teacher_logits.py`) builds its flags from these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.model_loading import DTYPES
+from csd_pipeline.runtime.options import option
+
+
+@dataclass
+class TeacherLogitsConfig:
+    """Options of `csd-pipeline teacher-logits`."""
+
+    aligned: str = option(help="Output directory of `csd-pipeline align`.")
+    teacher: str = option(help="The teacher model: a local Hugging Face folder, a GGUF file, a hub name or a fixture name.")
+    output: str = option(help="Output directory (resumable).")
+    teacher_index: int = option(0, "Which teacher of the aligned directory this model is (its teacher{i}_ids column).")
+    top_k: int = option(32, "Entries kept per position.")
+    batch_tokens: int = option(8192, "Token budget of one forward batch, padding included (rows are batched by length).")
+    device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
+    dtype: str = option("auto", "Teacher weights: auto = float32 on CPU, bfloat16 on GPU. Logits and log-softmax are "
+                                "always float32.", choices=DTYPES)
+    temperature: float = option(1.0, "Capture temperature: the logits are divided by it before the log-softmax.")
+    trust_remote_code: bool = option(False, "Allow the model repository's own code (off by default).")
+    block_positions: int = option(1 << 16, "Positions per encoded block (one Parquet row group); bigger compresses "
+                                           "slightly better.")
+    check_tokenizer: bool = option(True, "Do not compare the teacher folder's tokenizer.json with the aligned teacher "
+                                         "tokenizer.")
+
+    def validate(self) -> None:
+        """Raise CsdError naming the option that is out of range."""
+        from csd_pipeline.teacher.codec import MAX_K
+
+        if not 1 <= self.top_k <= MAX_K:
+            raise CsdError(f"--top-k {self.top_k} is out of range; pass a value in [1, {MAX_K}].")
+        if self.batch_tokens < 1:
+            raise CsdError(f"--batch-tokens {self.batch_tokens} is not positive; pass e.g. {TeacherLogitsConfig.batch_tokens}.")
+        if not self.temperature > 0:
+            raise CsdError(f"--temperature {self.temperature} is not positive; pass e.g. {TeacherLogitsConfig.temperature}.")
+        if self.teacher_index < 0:
+            raise CsdError(f"--teacher-index {self.teacher_index} is negative; pass 0 for the first teacher.")
+        if self.block_positions < 1:
+            raise CsdError(f"--block-positions {self.block_positions} is not positive.")
