@@ -344,6 +344,60 @@ def test_special_pair_chunk_matches_reference(case_of):
     assert float((h.grad - g_ref).abs().max()) <= TOL * max(1.0, float(g_ref.abs().max()))
 
 
+def _variable_length_rows(case: Case, top_p: float):
+    """The case's top-16 rows made variable-length (`--top-p top_p`, every 7th position forced to 1
+    entry and every 5th to all 16) and passed through the codec, in three forms: padded as the reader
+    yields them (id -1, log-prob -inf after `lengths`), ragged (per position only its entries: what
+    the reference reads) and with stale values after `lengths` (the left-out entries, finite)."""
+    from csd_pipeline.teacher.codec import decode_block, encode_block
+    from csd_pipeline.teacher.runner import mass_lengths
+
+    padded, ragged, stale, counts = [], [], [], []
+    for r, d in zip(case.rows, case.dense):
+        full = topk_from_dense(r, d, TOP_K)
+        lengths = mass_lengths(full["logprobs"], top_p)
+        lengths[::7], lengths[3::5] = 1, TOP_K
+        observed_ids = np.append(r["teacher0_ids"][1:], -1)
+        payload = encode_block(full["ids"], full["logprobs"], observed_ids, full["observed_logprob"], lengths)
+        ids, logprobs, observed, decoded_lengths = decode_block(payload, observed_ids >= 0)
+        assert decoded_lengths.tolist() == lengths.tolist()
+        padded.append({"row_id": r["row_id"], "ids": ids, "logprobs": logprobs, "observed_logprob": observed,
+                       "lengths": decoded_lengths})
+        ragged.append({"row_id": r["row_id"], "ids": [ids[t, :n] for t, n in enumerate(lengths)],
+                       "logprobs": [logprobs[t, :n] for t, n in enumerate(lengths)], "observed_logprob": observed})
+        filled_ids, filled_lp = ids.copy(), logprobs.copy()
+        for t, n in enumerate(lengths):
+            left_out = [j for j in range(TOP_K) if full["ids"][t, j] not in ids[t, :n]]
+            filled_ids[t, n:] = full["ids"][t, left_out]
+            filled_lp[t, n:] = full["logprobs"][t, left_out]
+        stale.append({"row_id": r["row_id"], "ids": filled_ids, "logprobs": filled_lp, "observed_logprob": observed,
+                      "lengths": decoded_lengths})
+        counts.extend(lengths.tolist())
+    return padded, ragged, stale, counts
+
+
+@pytest.mark.parametrize(("pair", "spelling", "divergence"), [("llama-bpe/qwen2", "sum", "jsd"),
+                                                              ("llama-spm/gpt-2", "exclude", "kl")])
+def test_variable_length_teacher_rows_match_reference(case_of, pair, spelling, divergence):
+    """Rows of a `--top-p` output (1 to 16 entries per position) give the loss and gradient of the
+    reference reading only each position's entries; entries after `lengths` are never read."""
+    case = case_of(pair)
+    padded, ragged, stale, counts = _variable_length_rows(case, top_p=0.9)
+    assert 1 in counts and TOP_K in counts and 1 < np.mean(counts) < TOP_K
+    ref, ref_h, ref_w = _reference(case, case.rows, ragged, divergence, spelling)
+    for teachers in (padded, stale):
+        out, batch, g_h, g_w = _implementation(case, case.rows, teachers, divergence, spelling)
+        assert batch.num_chunks == ref["chunks"][0] > 0
+        for name in ("loss", "ce", "kd"):
+            assert _close(getattr(out, name), ref[name]), (name, _f(getattr(out, name)), _f(ref[name]))
+        assert float((g_h - ref_h).abs().max()) <= TOL * max(1.0, float(ref_h.abs().max()))
+        assert float((g_w - ref_w).abs().max()) <= TOL * max(1.0, float(ref_w.abs().max()))
+    # The stale entries would change the loss if they were read: the reference on the whole top-16 differs.
+    whole, _, _ = _reference(case, case.rows, [dict(t, ids=list(t["ids"]), logprobs=list(t["logprobs"])) for t in stale],
+                             divergence, spelling)
+    assert abs(_f(whole["kd"]) - _f(ref["kd"])) > 1e-4
+
+
 def test_ce_only_and_no_chunks(case_of):
     """loss="ce" (no teachers) and a batch without accepted chunks both give L = CE exactly."""
     case = case_of("llama-spm/gpt-2")
