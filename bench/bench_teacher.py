@@ -1,10 +1,9 @@
 """Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher (issue 4, §3, §6).
 
-Corpus: six kinds of real text from /work/shared/corpus (Bible, Python docs, stdlib code, the
-Jargon File, a novel, Django translations), about 16 KB each (2 KB in quick mode), aligned by the
-real align stage (gpt-2 student, SmolLM2 teacher, 1024-token windows); one source per shard, so
-the bytes per position are also reported per kind of text. Without /work/shared the committed
-slices in tests/data are used (fewer positions; the numbers are then only indicative).
+Corpus: six kinds of real text (`bench/corpus/kinds.jsonl`: Bible, Python docs, stdlib code, the
+Jargon File, a novel, Django translations), 16,000 characters each (2,000 in quick mode), aligned
+by the real align stage (gpt-2 student, SmolLM2 teacher, 1024-token windows); one source per shard,
+so the bytes per position are also reported per kind of text.
 
 Measured in one process, shard by shard:
 - B, the stage on that shard: read the aligned shard, batch, forward, float32 log-softmax and
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CORPUS = Path("/work/shared/corpus")
+KINDS = ROOT / "bench" / "corpus" / "kinds.jsonl"
 TEACHER = "smollm2-135m-instruct"
 LIMIT_OVERHEAD = 0.10
 LIMIT_BYTES = 64.0
@@ -49,30 +48,10 @@ BATCH_TOKENS = 8192
 
 
 def _sources(quick: bool) -> dict[str, str]:
-    """name -> real text (about 16 KB each, 2 KB in quick mode)."""
+    """kind -> real text: `bench/corpus/kinds.jsonl` (16,000 characters each; 2,000 in quick mode)."""
     size = 2_000 if quick else 16_000
-    if not CORPUS.is_dir():
-        data = ROOT / "tests" / "data"
-        names = ("botchan-slice.txt", "devil-slice.txt", "python-docs-generators-slice.txt", "kjv-genesis-slice.txt")
-        return {name.split("-")[0]: (data / name).read_text(encoding="utf-8")[:size] for name in names}
-
-    def text(name, offset):
-        raw = (CORPUS / name).read_text(encoding="utf-8")
-        return raw[offset:offset + size]
-
-    def jsonl(name, start, count):
-        lines = (CORPUS / name).read_text(encoding="utf-8").splitlines()[start:start + count]
-        return "\n".join(json.loads(line)["text"] for line in lines)[:size]
-
-    return {
-        "bible": text("kjv.txt", 1_000_000),
-        "python-docs": text("python-docs.txt", 3_000_000),
-        "stdlib-code": jsonl("cpython-stdlib-code.jsonl", 50, 3),
-        "jargon": text("jargon.txt", 600_000),
-        "novel": text("botchan.txt", 50_000),
-        "translations": "\n".join(json.loads(line)["text"] for line in
-                                  (CORPUS / "django-po-multilingual.jsonl").read_text(encoding="utf-8").splitlines()[::37])[:size],
-    }
+    lines = KINDS.read_text(encoding="utf-8").splitlines()
+    return {record["kind"]: record["text"][:size] for record in map(json.loads, lines)}
 
 
 def _align(tmp: Path, quick: bool) -> tuple[Path, dict[str, str]]:

@@ -501,16 +501,18 @@ def _dense_reference(h, w, pos, tok):
     g=st.integers(0, 80),
     chunk=st.integers(1, 50),
     seed=st.integers(0, 2**31 - 1),
+    keep=st.sampled_from([0, 1 << 10, 1 << 14, 1 << 30]),
 )
-def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed):
-    """Values and gradients (h and W) of the chunked path equal dense autograd in float64."""
+def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed, keep):
+    """Values and gradients (h and W) of the chunked path equal dense autograd in float64, whether the
+    backward recomputes every chunk, reuses the ones kept within `keep_bytes`, or all."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(p, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(v, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     pos = torch.randint(0, p, (g,), generator=gen)
     tok = torch.randint(0, v, (g,), generator=gen)
     upstream = torch.randn(g, generator=gen, dtype=torch.float64)
-    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk)
+    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk, keep_bytes=keep)
     (out * upstream).sum().backward()
     h2 = h.detach().clone().requires_grad_(True)
     w2 = w.detach().clone().requires_grad_(True)
@@ -555,6 +557,34 @@ def test_chunked_forward_saves_no_positions_by_vocab_tensor():
         out = chunked_token_logprobs(h, w, torch.arange(p), torch.randint(0, v, (p,)), chunk_size=16)
     out.sum().backward()
     assert saved and max(saved) <= max(v * 16, p * 16) < p * v
+
+
+def test_kept_chunks_are_not_recomputed(monkeypatch):
+    """keep_bytes: the forward keeps the first chunks that fit and the backward forms logits only for
+    the others (6 chunks of 16 x 4000 float32 = 256,000 bytes each); the results do not change."""
+    import csd_pipeline.loss.token_logprobs as token_logprobs
+
+    formed = []
+    real = token_logprobs._chunk_logits
+    monkeypatch.setattr(token_logprobs, "_chunk_logits", lambda h, w, acc: formed.append(h.shape[0]) or real(h, w, acc))
+    gen = torch.Generator().manual_seed(11)
+    h, w = torch.randn(96, 16, generator=gen), torch.randn(4000, 16, generator=gen)
+    pos, tok = torch.arange(96).repeat(2), torch.randint(0, 4000, (192,), generator=gen)
+    results = {}
+    for keep, chunks_formed in ((0, 12), (2 * 256_000, 10), (2 * 256_000 + 255_999, 10), (10**9, 6)):
+        formed.clear()
+        hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = chunked_token_logprobs(hk, wk, pos, tok, chunk_size=16, keep_bytes=keep)
+        out.sum().backward()
+        assert len(formed) == chunks_formed, (keep, formed)
+        results[keep] = (out.detach(), hk.grad, wk.grad)
+    for out, grad_h, grad_w in results.values():
+        assert torch.allclose(out, results[0][0], atol=1e-5) and torch.allclose(grad_h, results[0][1], atol=1e-5)
+        assert torch.allclose(grad_w, results[0][2], atol=1e-5)
+    assert token_logprobs.keep_bytes_for(3 * 256_000, 4000, 16) == 2 * 256_000
+    assert token_logprobs.keep_bytes_for(100, 4000, 16) == 0
+    with pytest.raises(CsdError, match="keep_bytes"):
+        chunked_token_logprobs(h, w, pos, tok, keep_bytes=-1)
 
 
 @pytest.mark.gpu
