@@ -314,7 +314,7 @@ def build_table(source: TokenizerBundle, destination: TokenizerBundle) -> Subtok
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    destination.tokenizer  # built here: constructing it holds the GIL
+    _ = destination.tokenizer  # built here: constructing it holds the GIL
     with ThreadPoolExecutor(1) as pool:
         canonical = pool.submit(canonical_chain_counts, source, destination)
         a, b, n = prefix_entries(source.vocab, destination.vocab)
