@@ -150,5 +150,7 @@ if __name__ == "__main__":
     result = run(quick="--quick" in sys.argv)
     text = json.dumps(result, indent=2, sort_keys=True)
     if "--json" in sys.argv:
-        Path(sys.argv[sys.argv.index("--json") + 1]).write_text(text + "\n")
+        target = Path(sys.argv[sys.argv.index("--json") + 1])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text + "\n")
     print(text)
