@@ -148,6 +148,8 @@ class LossConfig:
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
                                  "(0: all); compares top-k sizes without re-running the teacher", trajectory=True)
     loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
+    loss_keep_mb: int = _opt(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
+                                "recomputing them (0: none, the least memory; more is faster)")
 
     @property
     def uses_teachers(self) -> bool:
@@ -161,7 +163,7 @@ class LossConfig:
 
     def validate(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size"))
+        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "loss_keep_mb"))
         if not (self.teacher_temperature > 0 and math.isfinite(self.teacher_temperature)):
             raise CsdError(f"--teacher-temperature must be a positive number, got {self.teacher_temperature}")
 
