@@ -165,7 +165,7 @@ def run(quick: bool = False) -> dict:
     metrics: dict = {"vocab": VOCAB, "positions": mem_positions, "hidden": mem_hidden, "top_k": TOP_K,
                      "chunk_size": auto_chunk_size(VOCAB), "logits_budget_mib": budget / (1 << 20),
                      "kept_logits_budget_mib": keep_mb, "speed_positions": speed_positions,
-                     "speed_hidden": speed_hidden, "load_average_start": _load(), "torch_threads": os.cpu_count()}
+                     "speed_hidden": speed_hidden, "load_average_start": _load(), "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-loss-") as tmp:
         # Tokenizers and tables live in a child process, so this one stays small while workers run.
         mem_path = str(Path(tmp) / "events-mem.npz")
