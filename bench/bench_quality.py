@@ -16,7 +16,9 @@ ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob gri
 the top-32 (beta 5, the paper's defaults; beta 1); csd with forward KL, beta 5, top-32 and top-8;
 csd_1to1 and csd with forward KL, beta 1, the top-128 and teacher temperature 1.5; then ce and the
 best arm again with a second seed to show seed noise. `--arms` also takes the extra arms of ARMS; `--seeds 0,1,2` runs
-every chosen arm with each seed. A subset run adds its runs to quality.json, a full run replaces
+every chosen arm with each seed. The arms `csd kl b1 p0.99 t1.5`, `p0.90` and `p0.99k64` are the best
+arm reading a mass-adaptive store (`teacher-logits --top-p`, TOP_P_STORES), written once per regime
+when such an arm is chosen. A subset run adds its runs to quality.json, a full run replaces
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
 
@@ -82,12 +84,19 @@ ARMS = {
     "strict top16": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "1"],
     "strict top4": ["--loss", "strict", "--strict-top-k", "4", "--kd-scale", "ratio", "--kd-weight", "1"],
     "strict top16 r0.5": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "0.5"],
+    "csd kl b1 p0.99 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 p0.90 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 p0.99k64 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
 }
 BEST_CSD = "csd kl b1 top128 t1.5"
 CONTROL = BEST_CSD + " shuffled"
 COMPARISON_ARMS = ["ce", BEST_CSD, "csd_1to1 kl top128 t1.5", CONTROL, "uld w1.5", "uld w0.5", "uld w5", "gold",
                    "gold m0.9", "gold w5", "strict", "strict top16", "strict top4", "strict top16 r0.5"]
 COMPARISON_SEEDS = (1, 2)  # after seed 0: for CE, the CSD arms, the control and each baseline's best arm
+# The arms that read a mass-adaptive store (`teacher-logits --top-p`) instead of the top-128, and its flags.
+TOP_P_STORES = {"csd kl b1 p0.99 t1.5": ["--top-k", "128", "--top-p", "0.99"],
+                "csd kl b1 p0.90 t1.5": ["--top-k", "128", "--top-p", "0.90"],
+                "csd kl b1 p0.99k64 t1.5": ["--top-k", "64", "--top-p", "0.99"]}
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
                 "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
@@ -110,8 +119,13 @@ def run(cmd: list, log: Path) -> None:
         raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
 
 
-def prepare(regime: str, out: Path, log: Path) -> dict:
-    """Align train + held-out and store the teacher's top-128 once (other arms keep the most likely)."""
+def _store_name(flags: list) -> str:
+    return "teacher-" + "-".join(str(f).lstrip("-") for f in flags)
+
+
+def prepare(regime: str, out: Path, log: Path, arms: list[str] = ()) -> dict:
+    """Align train + held-out and store the teacher's top-128 once (other arms keep the most likely),
+    and each top-p store one of `arms` reads."""
     spec = REGIMES[regime]
     pipeline = BIN / "csd-pipeline"
     dirs = {name: out / regime / name for name in ("aligned", "heldout")}
@@ -121,6 +135,10 @@ def prepare(regime: str, out: Path, log: Path) -> dict:
              "--output", dirs[name], "--max-student-tokens", WINDOW, "--max-teacher-tokens", WINDOW, "--quiet"], log)
     run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct",
          "--top-k", str(STORED_TOP_K), "--output", dirs["teacher"], "--quiet"], log)
+    for flags in {tuple(TOP_P_STORES[a]) for a in arms if a in TOP_P_STORES}:
+        dirs[_store_name(list(flags))] = out / regime / _store_name(list(flags))
+        run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct", *flags,
+             "--output", dirs[_store_name(list(flags))], "--quiet"], log)
     return dirs
 
 
@@ -129,7 +147,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path) -> dict:
-    teacher = dirs["teacher"]
+    teacher = dirs[_store_name(TOP_P_STORES[arm])] if arm in TOP_P_STORES else dirs["teacher"]
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
     shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
     started = time.perf_counter()
@@ -334,7 +352,7 @@ def main(argv: list[str]) -> int:
         steps = 20 if args.quick else REGIMES[regime]["steps"]
         print(f"[quality] {regime}: aligning and computing teacher top-k ...", flush=True)
         prepared = time.perf_counter()
-        dirs = prepare(regime, out, log)
+        dirs = prepare(regime, out, log, arms)
         teachers[regime] = teacher_score(dirs, log)
         print(f"[quality] {regime}: prepared in {time.perf_counter() - prepared:.0f} s", flush=True)
         rows, plan = [], [(arm, seed) for arm in arms for seed in seeds]

@@ -1,12 +1,12 @@
 """Speed and size of `csd-pipeline teacher-logits` with the real SmolLM2-135M-Instruct teacher,
 and its memory and bytes per position with the Gemma 3 270M teacher (262k vocabulary, `run_262k`).
 
-Corpus: `--corpus DIR`, a folder holding six kinds of real text (kjv.txt, python-docs.txt,
-cpython-stdlib-code.jsonl, jargon.txt, botchan.txt, django-po-multilingual.jsonl: Bible, Python
-docs, stdlib code, the Jargon File, a novel, Django translations), about 16 KB of each (2 KB in
-quick mode); by default the four committed slices in tests/data (fewer positions; the numbers are
-then only indicative). Aligned by the real align stage (gpt-2 student, SmolLM2 teacher, 1024-token
-windows); one source per shard, so the bytes per position are also reported per kind of text.
+Corpus: six kinds of real text (Bible, Python docs, stdlib code, the Jargon File, a novel, Django
+translations), 16,000 characters each (2,000 in quick mode): by default the committed
+`bench/corpus/kinds.jsonl`; with `--corpus DIR`, the same slices read from a folder holding the full
+files (kjv.txt, python-docs.txt, cpython-stdlib-code.jsonl, jargon.txt, botchan.txt,
+django-po-multilingual.jsonl). Aligned by the real align stage (gpt-2 student, SmolLM2 teacher,
+1024-token windows); one source per shard, so the bytes per position are also reported per kind of text.
 
 Measured in one process, shard by shard:
 - B, the stage on that shard: read the aligned shard, batch, forward, float32 log-softmax and
@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CORPUS_HELP = "folder holding kjv.txt, python-docs.txt, ... (default: the committed slices in tests/data)"
+CORPUS_HELP = "folder holding kjv.txt, python-docs.txt, ... (default: the committed bench/corpus/kinds.jsonl)"
+KINDS = ROOT / "bench" / "corpus" / "kinds.jsonl"
 TEACHER = "smollm2-135m-instruct"
 LIMIT_OVERHEAD = 0.10
 LIMIT_BYTES = 64.0
@@ -51,12 +52,12 @@ BATCH_TOKENS = 8192
 
 
 def _sources(quick: bool, corpus: Path | None) -> dict[str, str]:
-    """name -> real text (about 16 KB each, 2 KB in quick mode)."""
+    """kind -> real text (16,000 characters each, 2,000 in quick mode): `bench/corpus/kinds.jsonl`, or
+    the same slices of the full files in `corpus`."""
     size = 2_000 if quick else 16_000
     if corpus is None:
-        data = ROOT / "tests" / "data"
-        names = ("botchan-slice.txt", "devil-slice.txt", "python-docs-generators-slice.txt", "kjv-genesis-slice.txt")
-        return {name.split("-")[0]: (data / name).read_text(encoding="utf-8")[:size] for name in names}
+        lines = KINDS.read_text(encoding="utf-8").splitlines()
+        return {record["kind"]: record["text"][:size] for record in map(json.loads, lines)}
     corpus = Path(corpus)
 
     def text(name, offset):
@@ -429,12 +430,12 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
         raise RuntimeError("run_gpu needs a CUDA device")
     with tempfile.TemporaryDirectory(prefix="bench-teacher-gpu-") as tmp_name:
         tmp = Path(tmp_name)
-        corpus = tmp / "corpus.txt"
+        corpus_file = tmp / "corpus.txt"
         sources = _sources(False, corpus)
         text = "\n\n".join(sources.values())
-        corpus.write_text(text * max(1, positions // max(1, len(text) // 4)), encoding="utf-8")
+        corpus_file.write_text(text * max(1, positions // max(1, len(text) // 4)), encoding="utf-8")
         aligned = tmp / "aligned"
-        run_align(AlignConfig(corpus=[str(corpus)], student_tokenizer="gpt-2", teacher_tokenizers=[vocab_tokenizer],
+        run_align(AlignConfig(corpus=[str(corpus_file)], student_tokenizer="gpt-2", teacher_tokenizers=[vocab_tokenizer],
                               output=str(aligned), max_student_tokens=4096, max_teacher_tokens=[4096],
                               split_on_blank_lines=True, shard_bytes=4 << 20), rank=0, world_size=1)
         vocab = load_tokenizer(str(tokenizer_path(vocab_tokenizer))).vocab.size

@@ -1,11 +1,15 @@
-"""One loss forward+backward in its own process, reporting peak RSS above the inputs (bench_loss).
+"""One loss forward+backward in its own process: its allocations and its time (bench_loss).
 
     python bench/loss_peak_worker.py --variant chunked|naive|ce --events EVENTS.npz \
-        --positions P --vocab V --hidden H [--chunk-size C] [--repeats R]
+        --positions P --vocab V --hidden H [--chunk-size C] [--keep-mb M] [--repeats R] [--threads N]
 
 The inputs (last hidden states [P, H] and LM head [V, H], float32, requiring grad) are created
-first; the baseline is the peak RSS right after that. Prints one JSON object: variant, peak RSS
-above the inputs (bytes), and the wall time of each forward+backward.
+first. Then one forward+backward runs under `torch.profiler` with `profile_memory=True`: every
+allocation and free of the step is recorded, and the peak of the bytes they hold at once (above the
+inputs, gradients included) is the memory figure. It is timed as well, and `--repeats` - 1 more run
+without the profiler, each timed. Prints one JSON
+object: variant, peak bytes above the inputs, bytes still held after the step (the gradients), the
+chunk size and kept-logits budget used, the wall time of each timed run.
 """
 
 from __future__ import annotations
@@ -22,6 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def allocation_peak(step) -> tuple[int, int]:
+    """(peak bytes held at once, bytes held at the end) of the CPU allocations `step()` makes, from
+    the memory events of `torch.profiler` (each allocation and free, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    held = peak = 0
+    for event in events:
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak, held
 
 
 def load_events(path: str):
@@ -59,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--keep-mb", type=float, default=0.0, help="logits the chunked forward keeps for backward")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args(argv)
@@ -66,6 +87,7 @@ def main(argv=None) -> int:
     import torch
 
     from csd_pipeline.loss.csd import csd_loss
+    from csd_pipeline.loss.token_logprobs import auto_chunk_size
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -75,28 +97,41 @@ def main(argv=None) -> int:
     # In place, so that creating the inputs leaves no temporary in the baseline peak.
     hidden = torch.randn(args.positions, args.hidden, generator=g).mul_(0.05).requires_grad_(True)
     weight = torch.randn(args.vocab, args.hidden, generator=g).mul_(0.05).requires_grad_(True)
-    baseline = _peak_rss_bytes()
-    times = []
-    for _ in range(args.repeats):
+    keep_bytes = int(args.keep_mb * (1 << 20))
+    losses = []
+
+    def step():
         hidden.grad = weight.grad = None
-        start = time.perf_counter()
         if args.variant == "naive":
             out = naive_loss(hidden, weight, ce_pos, ce_tok, teachers[0])
         else:
             out = csd_loss(
                 hidden=hidden, weight=weight, ce_positions=ce_pos, ce_tokens=ce_tok, teachers=teachers,
-                chunk_size=args.chunk_size,
+                chunk_size=args.chunk_size, keep_bytes=keep_bytes,
             )
         out.loss.backward()
+        losses.append(float(out.loss.detach()))
+
+    baseline = _peak_rss_bytes()
+    start = time.perf_counter()
+    peak, held = allocation_peak(step)  # timed too: the profiler only records a few dozen large ops here
+    times = [time.perf_counter() - start]
+    peak_rss_step = _peak_rss_bytes() - baseline
+    for _ in range(args.repeats - 1):
+        start = time.perf_counter()
+        step()
         times.append(time.perf_counter() - start)
-        loss = float(out.loss.detach())
     print(json.dumps({
         "variant": args.variant,
-        "baseline_rss_bytes": baseline,
-        "peak_above_inputs_bytes": _peak_rss_bytes() - baseline,
+        "peak_above_inputs_bytes": peak,
+        "held_after_step_bytes": held,
+        "peak_rss_growth_bytes": peak_rss_step,  # for reference only: freed pages are reused, so it can read 0
         "inputs_bytes": (hidden.numel() + weight.numel()) * 4,
+        "chunk_size": args.chunk_size or auto_chunk_size(args.vocab),
+        "keep_bytes": keep_bytes,
+        "threads": torch.get_num_threads(),
         "seconds": times,
-        "loss": loss,
+        "loss": losses[-1],
     }))
     return 0
 

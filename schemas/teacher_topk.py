@@ -1,12 +1,13 @@
-"""Teacher top-k shards: the declared Arrow schema (version 1), row statuses and the encoding.
+"""Teacher top-k shards: the declared Arrow schema (version 2; version 1 still read), row statuses and the encoding.
 
 A teacher top-k shard is co-partitioned with the aligned shard it was computed from: same file
 name (`part-RRRRR-IIIII.parquet`), one row per aligned row, same order. Read it with
-`csd_pipeline.read_teacher_topk(DIR)`, which yields per row `row_id`, `ids` int32 [T, k],
-`logprobs` float32 [T, k] (descending), `observed_logprob` float32 [T] (NaN at the last
-position) and `status` (SPEC §8).
+`csd_pipeline.read_teacher_topk(DIR)`, which yields per row (`TeacherTopkRow`) `row_id`, `ids`
+int32 [T, k] and `logprobs` float32 [T, k] (descending), `lengths` int64 [T] (how many of the k
+entries of each position are real: entries j >= lengths[t] are padding, id -1 and log-prob -inf),
+`observed_logprob` float32 [T] (NaN at the last position) and `status` (SPEC §8).
 
-Columns (one row per aligned row):
+Columns (one row per aligned row; the same in versions 1 and 2):
 
 | column | type | meaning |
 |---|---|---|
@@ -16,25 +17,40 @@ Columns (one row per aligned row):
 | `block` | int32 | index (in this file) of the block that holds the row's values |
 | `payload` | binary, nullable | the encoded block, on the first row of each block; null on the other rows |
 
+Schema metadata: `csd.schema` = "teacher_topk", `csd.schema_version`, `csd.k` (the most entries a
+position holds: `--top-k`), `csd.encoding`, and from version 2 `csd.top_p` (the `--top-p` mass
+bound as a decimal string, or "" for a fixed top-k).
+
 Each block is one Parquet row group, so a reader decodes one row group at a time. A block holds
 the values of its rows with status 0, concatenated in row order: P positions, where the last
 position of each row has no observed token.
 
-Encoding `csd-topk-lzma-v1` of a block payload (see `csd_pipeline/teacher/codec.py`):
+Which entries a position stores: with a fixed top-k (no `--top-p`), the k most likely ids; with
+`--top-p P`, the n most likely, where n is the smallest count whose probabilities (float32
+log-probs, summed in float64) reach P, and at most k (so n = k where the top-k holds less than P).
+The most likely entry is always stored (n >= 1).
 
-    header (little-endian): magic "CTK1", uint32 P, uint32 k, uint32 id_width (2 or 3),
-        uint32 O (positions with an observed next token), then uint32 byte length of each of the
-        7 streams below, in order.
-    streams, each compressed with raw LZMA1 (FORMAT_RAW, settings per stream in topk_codec.py;
+Encoding `csd-topk-lzma-v2` (schema version 2) of a block payload (see `csd_pipeline/teacher/codec.py`):
+
+    header (little-endian): magic "CTK2", uint32 P, uint32 k, uint32 id_width (2 or 3),
+        uint32 O (positions with an observed next token), uint32 E (stored entries, the sum of
+        the n of every position), then uint32 byte length of each of the 8 streams below, in order.
+    streams, each compressed with raw LZMA1 (FORMAT_RAW, settings per stream in codec.py;
     an empty stream is stored as zero bytes):
+      lens    uint8 [P]             n of each position, in [1, k]; empty when E == P * k (every n is k)
       top     uint16 BE [P]         q of the best entry of each position
-      ids_lo  uint16 BE [P, k]      low 16 bits of the ids, position-major, canonical order
-      ids_hi  uint8 [P, k]          bits 16..23 of the ids (only when id_width == 3)
-      gaps    uint8 [k-1, P]        q[j] - q[j-1] for j = 1..k-1, RANK-major; 255 = escaped
+      ids_lo  uint16 BE [E]         low 16 bits of the ids, position by position, canonical order
+      ids_hi  uint8 [E]             bits 16..23 of the ids (only when id_width == 3)
+      gaps    uint8 [E - P]         q[j] - q[j-1] for j = 1..n-1, RANK-major: all positions' gap
+                                    j = 1 (those with n > 1), then j = 2, ...; 255 = escaped
       gaps_x  uint16 BE             the escaped gaps (>= 255), in the order of `gaps`
-      obs     uint8 [O]             per observed position: index of the observed token in the
-                                    top-k, or k when it is not there
-      obs_x   uint16 BE             per obs == k: q_observed - q[k-1] (>= 0)
+      obs     uint8 [O]             per observed position: index of the observed token among the
+                                    position's n entries, or 255 when it is not one of them
+      obs_x   uint16 BE             per obs == 255: q_observed - q[n-1] (>= 0)
+
+Encoding `csd-topk-lzma-v1` (schema version 1, read only): header magic "CTK1", uint32 P, k,
+id_width, O, then the byte lengths of the 7 streams `top` .. `obs_x` above with n = k at every
+position (no `lens`, no E), and `obs` = k (not 255) for an observed token outside the top-k.
 
 Quantization: q = clip(round(-logprob * 51), 0, 65535), decoded as -q / 51 in float32, so every
 stored log-probability is within 1/102 nat (0.0098) of the float32 value the teacher produced,
@@ -52,7 +68,8 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # the reader still reads shards and manifests of version 1 (fixed top-k)
 STAGE = "teacher-logits"
 
 
@@ -66,11 +83,12 @@ class RowStatus(IntEnum):
     infinite; the row is rejected (counted as `rejected.non_finite` in the stats) and holds no values."""
 
 
-def teacher_topk_schema(k: int, encoding: str):
-    """The Arrow schema (version 1) of a teacher top-k shard with `k` entries per position.
+def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None):
+    """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
-    The schema metadata records the schema name and version, k, the encoding name and that the
-    pages carry checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
+    The schema metadata records the schema name and version, k, the encoding name, the `--top-p`
+    mass bound (`top_p`, None for a fixed top-k) and that the pages carry checksums
+    (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
 
@@ -88,6 +106,7 @@ def teacher_topk_schema(k: int, encoding: str):
         b"csd.schema_version": str(SCHEMA_VERSION).encode(),
         b"csd.k": str(k).encode(),
         b"csd.encoding": encoding.encode(),
+        b"csd.top_p": b"" if top_p is None else repr(float(top_p)).encode(),
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)

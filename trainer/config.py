@@ -158,6 +158,8 @@ class LossConfig:
     teacher_control: str = _opt("none", "shuffled: give each stored teacher row to another position of the batch "
                                         "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
     loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
+    loss_keep_mb: int = _opt(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
+                                "recomputing them (0: none, the least memory; more is faster)")
 
     @property
     def uses_teachers(self) -> bool:
@@ -181,7 +183,7 @@ class LossConfig:
 
     def validate(self) -> None:
         _check_choices(self)
-        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "strict_top_k"))
+        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "loss_keep_mb", "strict_top_k"))
         if self.kd_scale == "ratio" and (self.kd_weight > 1 or self.loss == "ce"):
             raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.loss} "
                            f"and --kd-weight {self.kd_weight}")

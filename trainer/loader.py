@@ -217,7 +217,8 @@ def keep_most_likely(topk, n: int):
     """The row with only its n most likely stored entries per position (all when n >= k).
 
     The stored entries are the teacher's k most likely ids, so their n most likely are exactly what a
-    top-n capture would store (up to the encoding's quantisation).
+    top-n capture would store (up to the encoding's quantisation). A variable-length row (`--top-p`)
+    keeps min(n, its length) entries per position: padding (log-prob -inf) sorts last.
     """
     from dataclasses import replace
 
@@ -225,7 +226,7 @@ def keep_most_likely(topk, n: int):
         return topk
     order = np.argsort(-topk.logprobs, axis=1, kind="stable")[:, :n]
     return replace(topk, ids=np.take_along_axis(topk.ids, order, axis=1),
-                   logprobs=np.take_along_axis(topk.logprobs, order, axis=1))
+                   logprobs=np.take_along_axis(topk.logprobs, order, axis=1), lengths=np.minimum(topk.lengths, n))
 
 
 @dataclass

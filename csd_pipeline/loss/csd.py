@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.token_logprobs import DEFAULT_CHUNK_SIZE, chunked_token_logprobs, dense_token_logprobs
+from csd_pipeline.loss.token_logprobs import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_KEEP_BYTES,
+    chunked_token_logprobs,
+    dense_token_logprobs,
+)
 from schemas.aligned import SHAPES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -266,12 +271,14 @@ def csd_loss(
     divergence: str = DEFAULT_DIVERGENCE,
     beta: float = DEFAULT_BETA,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+    keep_bytes: int = DEFAULT_KEEP_BYTES,
     kd_scale: torch.Tensor | float | None = None,
     teacher_temperature: float = 1.0,
 ) -> LossOutput:
     """CE + CSD for one batch, from the student's last hidden states and LM head (or logits).
 
-    Give either `hidden` [P, H] and `weight` [V, H] (chunked path, memory O(chunk_size x V)) or
+    Give either `hidden` [P, H] and `weight` [V, H] (chunked path, memory O(chunk_size x V), plus
+    up to `keep_bytes` of logits kept for the backward: `token_logprobs.chunked_token_logprobs`) or
     `logits` [P, V]. ce_positions / ce_tokens: flat CE targets (`events.ce_targets`). teachers: one
     `BatchEvents` per teacher (numpy or already on the device). All (position, token) pairs (CE
     and every teacher's events) are gathered in one pass. global_ce_tokens defaults to the local
@@ -297,7 +304,8 @@ def csd_loss(
     if logits is not None:
         gathered = dense_token_logprobs(logits, positions, tokens)
     else:
-        gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=chunk_size)
+        gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=chunk_size,
+                                          keep_bytes=keep_bytes)
     pieces = torch.split(gathered, [p.numel() for p in pos_parts])
     ce_sum = -pieces[0].sum()
     terms = [

@@ -51,8 +51,9 @@ class TeacherPositions:
     """The teacher's log-probabilities at each of its T positions (position t predicts teacher token t+1)."""
 
     topk_ids: np.ndarray | None  # int64 [T, k], or None for dense log-probs
-    logprobs: np.ndarray  # float64 [T, k] (the top-k's) or [T, V] (dense)
+    logprobs: np.ndarray  # float64 [T, k] (the top-k's; -inf beyond each position's length) or [T, V] (dense)
     observed: np.ndarray  # float64 [T]: log-prob of the observed next token (undefined at the last position)
+    lengths: np.ndarray | None = None  # int64 [T]: stored entries of each position (top-k only)
 
     @property
     def dense(self) -> bool:
@@ -74,7 +75,8 @@ def build_row_events(
     aligned_row: a mapping with the aligned columns (SPEC §8): row_id, student_ids,
     teacher{i}_ids, teacher{i}_chunk_student_len / _teacher_len / _status. teacher: that row's
     teacher top-k (`TeacherTopkRow` or a dict with row_id, ids [T,k], logprobs [T,k],
-    observed_logprob [T]) or dense teacher log-probs [T, V] (tests). context: the `EventContext`
+    observed_logprob [T] and optionally lengths [T], the real entries of each position of a
+    variable-length row; entries beyond them are ignored) or dense teacher log-probs [T, V] (tests). context: the `EventContext`
     of this teacher. Positions in the result are row-local (student position j-1 predicts token j).
     source: a file name for error messages. Raises CsdError for a row that contradicts the tables
     or the teacher shard (naming the row and the stage to re-run).
@@ -150,7 +152,8 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
         builder.add_dense_events(chunk, shape, fs, positions.logprobs[ft], teacher_chain, s_prefix, t_prefix,
                                  u_obs, v_obs)
     else:
-        builder.add_topk_events(chunk, shape, fs, positions.topk_ids[ft], positions.logprobs[ft], obs_lp,
+        n = int(positions.lengths[ft])  # a variable-length row (--top-p) stores fewer than k entries here
+        builder.add_topk_events(chunk, shape, fs, positions.topk_ids[ft, :n], positions.logprobs[ft, :n], obs_lp,
                                 teacher_chain, s_prefix, t_prefix, u_obs, v_obs)
     return None
 
@@ -207,7 +210,7 @@ def teacher_positions(teacher, row: RowChunks) -> TeacherPositions:
         observed = np.full(teacher_len, np.nan)
         observed[:-1] = dense[np.arange(teacher_len - 1), row.teacher_ids[1:]]
         return TeacherPositions(None, dense, observed)
-    get = teacher.get if isinstance(teacher, dict) else lambda k: getattr(teacher, k)
+    get = teacher.get if isinstance(teacher, dict) else lambda k: getattr(teacher, k, None)
     topk_row_id = get("row_id")
     if topk_row_id is not None and row_id is not None and str(topk_row_id) != str(row_id):
         raise CsdError(
@@ -223,4 +226,14 @@ def teacher_positions(teacher, row: RowChunks) -> TeacherPositions:
             f"{observed.shape} do not match the {teacher_len} teacher tokens of aligned row {row_id}; the teacher "
             "shards were computed for another alignment; re-run `csd-pipeline teacher-logits`."
         )
-    return TeacherPositions(ids, logprobs, observed)
+    lengths = get("lengths")
+    k = ids.shape[1]
+    lengths = np.full(teacher_len, k, np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+    if lengths.shape != (teacher_len,) or (teacher_len and (lengths.min() < 0 or lengths.max() > k)):
+        raise CsdError(
+            f"teacher top-k row {topk_row_id}: its entry counts (shape {lengths.shape}) are not {teacher_len} values "
+            f"in [0, {k}]; the teacher shard is corrupted, re-run `csd-pipeline teacher-logits`."
+        )
+    # Entries beyond a position's count are padding (id -1, log-prob -inf): never candidates.
+    logprobs = np.where(np.arange(k)[None, :] < lengths[:, None], logprobs, -np.inf)
+    return TeacherPositions(ids, logprobs, observed, lengths)

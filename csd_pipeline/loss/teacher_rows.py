@@ -194,7 +194,8 @@ def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_
         if not np.isfinite(lps).all():
             raise CsdError(f"{where}: the teacher log-probability of a token of accepted chunk {c} is not finite; "
                            "the teacher shard is corrupted, re-run `csd-pipeline teacher-logits`.")
-        ids, values = topk_ids[ft], topk_lp[ft]
+        stored = int(positions.lengths[ft])  # a variable-length row (--top-p) stores fewer than k entries here
+        ids, values = topk_ids[ft, :stored], topk_lp[ft, :stored]
         keep = np.isfinite(values)
         ids, values = ids[keep], values[keep]
         if t_tok[-1] not in ids:
@@ -289,7 +290,7 @@ def shuffle_teacher_rows(rows: list, rng) -> list:
     """The batch's stored teacher values, each position's given to another position of the batch.
 
     rows: one teacher top-k row per window of the micro-batch (`TeacherTopkRow` or dict). A position's
-    stored values (top-k ids, their log-probs and the observed log-prob, together) move to another
+    stored values (top-k ids, their log-probs, their count and the observed log-prob, together) move to another
     position, over every window of the batch, by a random cyclic derangement (`rng`, a numpy
     Generator): no position keeps its own values, and every stored row is used once, so the entropy
     and mass of the teacher's rows are kept while their link to the text is broken. Only positions
@@ -302,31 +303,38 @@ def shuffle_teacher_rows(rows: list, rng) -> list:
     def ok(row) -> bool:
         return (row.get("status", 0) if isinstance(row, dict) else getattr(row, "status", 0)) == 0
 
-    arrays = {r: tuple(np.array(get(row, k)) for k in ("ids", "logprobs", "observed_logprob"))
+    def lengths(row):  # entries stored per position: all k unless the row says (--top-p)
+        counts = row.get("lengths") if isinstance(row, dict) else getattr(row, "lengths", None)
+        ids = np.asarray(get(row, "ids"))
+        return np.full(ids.shape[0], ids.shape[1], np.int64) if counts is None else np.array(counts, np.int64)
+
+    arrays = {r: (*(np.array(get(row, k)) for k in ("ids", "logprobs", "observed_logprob")), lengths(row))
               for r, row in enumerate(rows) if ok(row)}
-    slots = [(r, j) for r, (_, _, obs) in arrays.items() for j in np.flatnonzero(np.isfinite(obs)).tolist()]
+    slots = [(r, j) for r, (_, _, obs, _) in arrays.items() for j in np.flatnonzero(np.isfinite(obs)).tolist()]
     if len(slots) < 2:
         return list(rows)
     order = rng.permutation(len(slots))
     source = {slots[order[i]]: slots[order[(i + 1) % len(slots)]] for i in range(len(slots))}
     width = max(a[0].shape[1] for a in arrays.values())
     new = {}
-    for r, (ids, lps, obs) in arrays.items():  # positions that do not take part keep their own values
-        new[r] = (np.full((len(ids), width), -1, ids.dtype), np.full((len(ids), width), -np.inf, lps.dtype), obs.copy())
+    for r, (ids, lps, obs, counts) in arrays.items():  # positions that do not take part keep their own values
+        new[r] = (np.full((len(ids), width), -1, ids.dtype), np.full((len(ids), width), -np.inf, lps.dtype), obs.copy(),
+                  counts.copy())
         new[r][0][:, :ids.shape[1]] = ids
         new[r][1][:, :ids.shape[1]] = lps
     for (r, j), (sr, sj) in source.items():
-        ids, lps, obs = arrays[sr]
+        ids, lps, obs, counts = arrays[sr]
         new[r][0][j] = -1
         new[r][1][j] = -np.inf
         new[r][0][j, :ids.shape[1]] = ids[sj]
         new[r][1][j, :ids.shape[1]] = lps[sj]
         new[r][2][j] = obs[sj]
+        new[r][3][j] = counts[sj]
     out = []
     for r, row in enumerate(rows):
         if r not in new:
             out.append(row)
             continue
-        values = dict(zip(("ids", "logprobs", "observed_logprob"), new[r], strict=True))
+        values = dict(zip(("ids", "logprobs", "observed_logprob", "lengths"), new[r], strict=True))
         out.append(dict(row, **values) if isinstance(row, dict) else replace(row, **values))
     return out

@@ -20,7 +20,10 @@ class TeacherLogitsConfig:
     teacher: str = option(help="The teacher model: a local Hugging Face folder, a GGUF file, a hub name or a fixture name.")
     output: str = option(help="Output directory (resumable).")
     teacher_index: int = option(0, "Which teacher of the aligned directory this model is (its teacher{i}_ids column).")
-    top_k: int = option(32, "Entries kept per position.")
+    top_k: int = option(32, "Entries kept per position (with --top-p: at most this many).")
+    top_p: float | None = option(
+        None, "Mass-adaptive top-k: keep each position's most likely entries until their probabilities reach "
+              "this mass (e.g. 0.99), at most --top-k of them (default: always --top-k).")
     batch_tokens: int = option(8192, "Token budget of one forward batch, padding included (rows are batched by length).")
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "Teacher weights: auto = float32 on CPU, bfloat16 on GPU. Logits and log-softmax are "
@@ -38,6 +41,9 @@ class TeacherLogitsConfig:
 
         if not 1 <= self.top_k <= MAX_K:
             raise CsdError(f"--top-k {self.top_k} is out of range; pass a value in [1, {MAX_K}].")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise CsdError(f"--top-p {self.top_p} is out of range; pass a mass in (0, 1], e.g. 0.99, or leave it out "
+                           "for a fixed --top-k.")
         if self.batch_tokens < 1:
             raise CsdError(f"--batch-tokens {self.batch_tokens} is not positive; pass e.g. {TeacherLogitsConfig.batch_tokens}.")
         if not self.temperature > 0:

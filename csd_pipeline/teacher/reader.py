@@ -2,10 +2,18 @@
 `read_teacher_shard(DIR, FILE)`.
 
 Rows come in the aligned order (the shards are co-partitioned with the aligned shards). Each row
-gives `row_id`, `ids` int32 [T, k], `logprobs` float32 [T, k] (descending; every value within
-0.0098 nat of the teacher's float32 log-probability), `observed_logprob` float32 [T] (the
-log-probability of token t+1 given tokens up to t; NaN at the last position) and `status`
-(`schemas.teacher_topk.RowStatus`; a rejected row has empty [0, k] arrays).
+(`TeacherTopkRow`) gives `row_id`, `ids` int32 [T, k], `logprobs` float32 [T, k] (descending; every
+value within 0.0098 nat of the teacher's float32 log-probability), `lengths` int64 [T], the number
+of real entries of each position, `observed_logprob` float32 [T] (the log-probability of token t+1
+given tokens up to t; NaN at the last position) and `status` (`schemas.teacher_topk.RowStatus`; a
+rejected row has empty [0, k] arrays).
+
+Variable-length rows: an output written with `teacher-logits --top-p` stores a different number of
+entries per position (1 to k). The arrays stay [T, k]; at position t the first `lengths[t]`
+entries are real and the rest are padding with id -1 (`codec.PAD_ID`) and log-prob -inf, so a
+consumer either uses `lengths` (or `row.entries(t)`) or skips non-finite log-probs, and must never
+use a padding id as an index. With a fixed top-k every length is k. Shards of schema version 1
+(written before `--top-p` existed) are read the same way.
 """
 
 from __future__ import annotations
@@ -31,11 +39,21 @@ class TeacherTopkRow:
     logprobs: np.ndarray
     observed_logprob: np.ndarray
     status: int = 0
+    lengths: np.ndarray | None = None  # int64 [T]; None: every position holds all k entries
+
+    def __post_init__(self):
+        if self.lengths is None:
+            self.lengths = np.full(self.ids.shape[0], self.ids.shape[1], np.int64)
 
     @property
     def ok(self) -> bool:
         """True when the row holds values (status 0); rejected rows must be left out of the KD loss."""
         return self.status == 0
+
+    def entries(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, log-probs) of the real entries of position t, most likely first (no padding)."""
+        n = int(self.lengths[t])
+        return self.ids[t, :n], self.logprobs[t, :n]
 
 
 class TeacherShard(Sequence):
@@ -53,8 +71,7 @@ class TeacherShard(Sequence):
         import pyarrow.parquet as pq
 
         from csd_pipeline.runtime.integrity import verify_unmarked
-        from csd_pipeline.teacher.codec import ENCODING
-        from schemas.teacher_topk import SCHEMA_VERSION
+        from csd_pipeline.teacher.codec import ENCODINGS
 
         self.path = Path(path)
         try:
@@ -67,10 +84,15 @@ class TeacherShard(Sequence):
             raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
         version = metadata.get(b"csd.schema_version", b"?").decode()
         encoding = metadata.get(b"csd.encoding", b"?").decode()
-        if version != str(SCHEMA_VERSION) or encoding != ENCODING:
+        readable = {str(v): e for v, e in ENCODINGS.items()}
+        if readable.get(version) != encoding:
+            known = ", ".join(f"{v} / {e}" for v, e in readable.items())
             raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
-                           f"csd-pipeline reads version {SCHEMA_VERSION} / {ENCODING}; re-run teacher-logits.")
+                           f"csd-pipeline reads {known}; re-run teacher-logits.")
+        self.version = int(version)
         self.k = int(metadata[b"csd.k"])
+        top_p = metadata.get(b"csd.top_p", b"").decode()
+        self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
         table = self._read(lambda: self._file.read(columns=["row_id", "status", "positions", "block"]))
         self.row_ids = table.column("row_id").to_pylist()
         self.status = table.column("status").to_numpy()
@@ -106,7 +128,10 @@ class TeacherShard(Sequence):
         lengths = self.positions[first:last][ok]
         mask = np.ones(int(lengths.sum()), dtype=bool)
         mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
-        ids, logprobs, observed = decode_block(payload, mask)
+        ids, logprobs, observed, entry_counts = decode_block(payload, mask)
+        if ids.shape[1] != self.k:
+            raise CsdError(f"teacher shard {self.path}: block {block} holds {ids.shape[1]} entries per position, the "
+                           f"shard says {self.k}; the file is corrupt, re-run teacher-logits.")
         rows, offset = [], 0
         for index in range(first, last):
             if self.status[index] != 0:
@@ -115,7 +140,8 @@ class TeacherShard(Sequence):
                                            np.zeros(0, np.float32), int(self.status[index])))
                 continue
             part = slice(offset, offset + int(self.positions[index]))
-            rows.append(TeacherTopkRow(self.row_ids[index], ids[part], logprobs[part], observed[part], 0))
+            rows.append(TeacherTopkRow(self.row_ids[index], ids[part], logprobs[part], observed[part], 0,
+                                       entry_counts[part]))
             offset = part.stop
         self._cached[block] = rows
         while len(self._cached) > 1 and sum(map(self._block_bytes, self._cached)) > self.cache_bytes:
@@ -134,9 +160,10 @@ class TeacherShard(Sequence):
             raise damaged_read(self.path, "teacher-logits", err) from None
 
     def _block_bytes(self, block: int) -> int:
-        """Decoded size of a block: int32 ids and float32 log-probs per entry, a float32 observed log-prob."""
+        """Decoded size of a block: int32 ids and float32 log-probs per entry (padding included), a float32
+        observed log-prob and an int64 length per position."""
         first, last = self._block_rows[block]
-        return int(self.positions[first:last].sum()) * (8 * self.k + 4)
+        return int(self.positions[first:last].sum()) * (8 * self.k + 12)
 
     def __getitem__(self, index: int) -> TeacherTopkRow:
         if not -len(self) <= index < len(self):
@@ -165,11 +192,23 @@ class TeacherTopkOutput:
 
     @classmethod
     def open(cls, directory) -> TeacherTopkOutput:
-        """Read and check `DIR/manifest.json` (stage, schema version). Raises `ManifestError`."""
+        """Read and check `DIR/manifest.json` (stage, schema version 1 or 2). Raises `ManifestError`."""
         from csd_pipeline.runtime.manifest import read_manifest
-        from schemas.teacher_topk import SCHEMA_VERSION, STAGE
+        from schemas.teacher_topk import READABLE_VERSIONS, STAGE
 
-        return cls(directory, read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION]))
+        return cls(directory, read_manifest(directory, stage=STAGE, schema_versions=list(READABLE_VERSIONS)))
+
+    @property
+    def top_k(self) -> int | None:
+        """The most entries a position holds (`--top-k`), as the manifest records it."""
+        value = (self.manifest.get("config") or {}).get("top_k")
+        return None if value is None else int(value)
+
+    @property
+    def top_p(self) -> float | None:
+        """The `--top-p` mass bound of a variable-length output; None for a fixed top-k."""
+        value = (self.manifest.get("config") or {}).get("top_p")
+        return None if value is None else float(value)
 
     @property
     def teacher_index(self) -> int:

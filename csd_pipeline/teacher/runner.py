@@ -8,6 +8,8 @@
   path does not reproduce on a short probe, falls back to the model's own forward.
 - Log-softmax over the model's whole output; ids at or beyond the tokenizer size (padded rows) are
   kept out of the top-k after the normalisation.
+- With `top_p`, each position keeps only its most likely entries until their probabilities reach
+  `top_p` (at most `top_k`; `mass_lengths`): `RowTopk.lengths` says how many.
 - A row with any non-finite value is marked (`finite=False`) for the stage to reject.
 - On a GPU an out-of-memory batch is split in two and retried.
 """
@@ -27,12 +29,30 @@ PROBE_TOKENS = 16
 @dataclass
 class RowTopk:
     """The teacher's values for one row: ids int32 [T, k], logprobs float32 [T, k] (descending),
-    observed float32 [T] (NaN at the last position); `finite` is False when the row is rejected."""
+    observed float32 [T] (NaN at the last position); `finite` is False when the row is rejected;
+    lengths int64 [T]: how many of the k entries each position keeps (all k without `top_p`)."""
 
     ids: np.ndarray
     logprobs: np.ndarray
     observed: np.ndarray
     finite: bool
+    lengths: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.lengths is None:
+            self.lengths = np.full(self.ids.shape[0], self.ids.shape[1], np.int64)
+
+
+def mass_lengths(logprobs: np.ndarray, top_p: float) -> np.ndarray:
+    """Per position, the smallest n whose n most likely entries hold probability >= top_p, at most k.
+
+    logprobs: float [P, k], each row descending (a top-k). Probabilities are summed in float64. The
+    first entry always counts (n >= 1); where the k entries hold less than top_p, n = k.
+    """
+    probs = np.exp(np.asarray(logprobs, dtype=np.float64))
+    before = np.zeros_like(probs)  # the mass of the entries more likely than each one
+    np.cumsum(probs[:, :-1], axis=1, out=before[:, 1:])
+    return np.maximum(np.count_nonzero(before < top_p, axis=1), 1).astype(np.int64)
 
 
 def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
@@ -51,11 +71,12 @@ def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
 class TeacherRunner:
     """Computes `RowTopk`s for rows of teacher token ids with a loaded model (`LoadedModel`).
 
-    vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k.
+    vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k. top_p: keep
+    only the most likely entries of each position until they hold this probability (None: all top_k).
     """
 
     def __init__(self, loaded, *, top_k: int, vocab_limit: int, batch_tokens: int, temperature: float = 1.0,
-                 logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+                 top_p: float | None = None, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
         import torch
 
         self.loaded = loaded
@@ -69,6 +90,7 @@ class TeacherRunner:
         if top_k > vocab_limit:
             raise CsdError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_limit}); pass a smaller --top-k.")
         self.temperature = temperature
+        self.top_p = top_p
         self.batch_tokens = batch_tokens
         self.chunk = max(1, logit_chunk_elements // self.output_size)
         self._head = None
@@ -175,10 +197,12 @@ class TeacherRunner:
         lp_all = torch.cat(lp_out).numpy()
         obs_all = torch.cat(obs_out).numpy()
         ok_all = torch.cat(ok_out).numpy()
+        kept = None if self.top_p is None else mass_lengths(lp_all, self.top_p)
         results, offset = [], 0
         for n in lengths:
             part = slice(offset, offset + n)
-            results.append(RowTopk(ids_all[part], lp_all[part], obs_all[part], bool(ok_all[part].all())))
+            results.append(RowTopk(ids_all[part], lp_all[part], obs_all[part], bool(ok_all[part].all()),
+                                   None if kept is None else kept[part]))
             offset += n
         return results
 

@@ -39,25 +39,31 @@ def block_ranges(lengths, block_positions: int) -> list[tuple[int, int]]:
 
 
 def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int) -> tuple[bytes, dict]:
-    """Encode the kept rows (finite) of one block; returns (payload, stats of the block)."""
+    """Encode the kept rows (finite) of one block; returns (payload, stats of the block).
+
+    Each position stores its `RowTopk.lengths` most likely entries; `entries` counts them and
+    `observed.in_top_k` counts the observed tokens among them."""
     from csd_pipeline.teacher.codec import encode_block
 
     kept = [(r, row) for r, row in zip(results, rows) if r.finite]
     if kept:
         ids = np.concatenate([r.ids for r, _ in kept])
         logprobs = np.concatenate([r.logprobs for r, _ in kept])
+        lengths = np.concatenate([r.lengths for r, _ in kept])
         observed = np.concatenate([r.observed for r, _ in kept])
         observed_ids = np.concatenate([np.append(row[1:], -1) for _, row in kept])
     else:
         ids, logprobs = np.zeros((0, top_k), np.int64), np.zeros((0, top_k), np.float32)
-        observed, observed_ids = np.zeros(0, np.float32), np.zeros(0, np.int64)
-    payload = encode_block(ids, logprobs, observed_ids, observed)
+        observed, observed_ids, lengths = np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    payload = encode_block(ids, logprobs, observed_ids, observed, lengths)
     has_next = observed_ids >= 0
+    stored = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+    in_stored = ((ids == observed_ids[:, None]) & stored).any(axis=1)
     stats = {
         "positions": int(sum(len(row) for row in rows)),
+        "entries": int(lengths.sum()),
         "rejected": {"non_finite": sum(not r.finite for r in results)},
-        "observed": {"positions": int(has_next.sum()),
-                     "in_top_k": int((ids[has_next] == observed_ids[has_next, None]).any(axis=1).sum())},
+        "observed": {"positions": int(has_next.sum()), "in_top_k": int((in_stored & has_next).sum())},
         "payload_bytes": len(payload),
     }
     return payload, stats
@@ -75,9 +81,9 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
     from csd_pipeline.teacher.codec import ENCODING
     from schemas.teacher_topk import RowStatus, teacher_topk_schema
 
-    schema = teacher_topk_schema(runner.top_k, ENCODING)
-    stats = {"positions": 0, "rejected": {"non_finite": 0}, "observed": {"positions": 0, "in_top_k": 0},
-             "payload_bytes": 0}
+    schema = teacher_topk_schema(runner.top_k, ENCODING, runner.top_p)
+    stats = {"positions": 0, "entries": 0, "rejected": {"non_finite": 0},
+             "observed": {"positions": 0, "in_top_k": 0}, "payload_bytes": 0}
     compression = {"row_id": "zstd", "status": "zstd", "positions": "zstd", "block": "zstd", "payload": "none"}
     # On a GPU the CPU would otherwise idle the accelerator while it encodes: encode blocks in threads
     # (LZMA releases the GIL) while the next block runs. On CPU the forward already uses every core.
@@ -147,7 +153,8 @@ class TeacherShardWriter:
             loaded = load_causal_lm(config.teacher, dtype=self.dtype, device=self.device,
                                     trust_remote_code=config.trust_remote_code)
             self._runner = TeacherRunner(loaded, top_k=config.top_k, vocab_limit=self.vocab_size,
-                                         temperature=float(config.temperature), batch_tokens=config.batch_tokens)
+                                         temperature=float(config.temperature), batch_tokens=config.batch_tokens,
+                                         top_p=config.top_p)
         return self._runner
 
     def __call__(self, task, tmp_path: Path):

@@ -1,8 +1,9 @@
 """The teacher-logits stage: run the teacher once over the aligned shards, keep its top-k.
 
-For every teacher position of every aligned row it stores the top-k token ids, their
-log-probabilities under the softmax over the model's whole output, and the log-probability of the
-observed next token (SPEC §6), in Parquet shards co-partitioned with the aligned shards
+For every teacher position of every aligned row it stores the top-k token ids (with `--top-p`,
+only the most likely of them until their probabilities reach that mass), their log-probabilities
+under the softmax over the model's whole output, and the log-probability of the observed next
+token (SPEC §6), in Parquet shards co-partitioned with the aligned shards
 (`schemas/teacher_topk.py`).
 
 `TeacherLogitsStage(config)` opens the aligned output (`AlignedOutput`), checks the output
@@ -67,7 +68,8 @@ class TeacherLogitsStage(Stage):
                                      trust_remote_code=config.trust_remote_code)
         self._check_teacher(log)
         self.runner = TeacherRunner(self.loaded, top_k=config.top_k, vocab_limit=self.tokenizer.size,
-                                    temperature=float(config.temperature), batch_tokens=config.batch_tokens)
+                                    temperature=float(config.temperature), batch_tokens=config.batch_tokens,
+                                    top_p=config.top_p)
 
     def _check_teacher(self, log) -> None:
         """Refuse a teacher with fewer outputs than the aligned teacher tokenizer has ids, or whose own
@@ -103,6 +105,7 @@ class TeacherLogitsStage(Stage):
         return {
             "config": {
                 "top_k": config.top_k,
+                "top_p": config.top_p,
                 "encoding": ENCODING,
                 "logprob_step": 1 / STEPS_PER_NAT,
                 "max_abs_error": MAX_ABS_ERROR,

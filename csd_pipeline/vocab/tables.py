@@ -197,9 +197,78 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
 # ---------------------------------------------------------------------- building
 
 
+_HASH_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: byte strings hash as polynomials mod 2**64
+
+
+def _spelling_arrays(vocab: Vocabulary) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(representative id, start, length) of every spelling, and the uint8 bytes they point into."""
+    reps = np.fromiter((ids[0] for ids in vocab.spellings().values()), dtype=np.int64)
+    flat, starts = vocab.flat_bytes()
+    return reps, starts[reps], vocab.byte_lengths()[reps], flat
+
+
+def _suffix_hashes(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """uint64 hash of every suffix of every spelling: h[i] = hash(bytes[i:end of its spelling]), for
+    each byte i of the spellings (laid out as `starts`/`lengths` in `flat`), from the end backwards."""
+    hashes = np.zeros(flat.size + 1, dtype=np.uint64)  # the extra slot: the empty suffix after a spelling
+    ends = starts + lengths
+    for distance in range(1, int(lengths.max(initial=0)) + 1):
+        longer = lengths >= distance
+        at = ends[longer] - distance
+        after = np.where(distance > 1, at + 1, flat.size)  # the empty suffix hashes to 0
+        hashes[at] = (flat[at].astype(np.uint64) + np.uint64(1)) + _HASH_BASE * hashes[after]
+    return hashes
+
+
 def prefix_entries(source: Vocabulary, destination: Vocabulary, advance=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All (a, b, len p) with bytes(a) == p + bytes(b), p non-empty, by representative ids, sorted.
-    `advance(n)`, when given, is told of every 8192 source spellings done (a progress bar)."""
+    `advance(n)`, when given, is told of the source spellings done (a progress bar).
+
+    Vectorised: every proper suffix of every source spelling is hashed (a polynomial mod 2**64) and
+    looked up among the destination spellings' hashes; each hit is then compared byte for byte, so
+    the result is exact whatever the hash does. Two destination spellings with one hash (never seen)
+    fall back to dictionary look-ups.
+    """
+    s_reps, s_starts, s_lengths, s_flat = _spelling_arrays(source)
+    d_reps, d_starts, d_lengths, d_flat = _spelling_arrays(destination)
+    d_hashes = _suffix_hashes(d_flat, d_starts, d_lengths)[d_starts]
+    order = np.argsort(d_hashes, kind="stable")
+    d_sorted = d_hashes[order]
+    if d_sorted.size > 1 and np.any(d_sorted[1:] == d_sorted[:-1]):
+        return _prefix_entries_by_lookup(source, destination, advance)
+    # every (spelling, n) with 1 <= n < its length: the suffix starting n bytes in
+    counts = np.maximum(s_lengths - 1, 0)
+    spelling = np.repeat(np.arange(s_reps.size), counts)
+    n = np.arange(spelling.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    suffix_start = s_starts[spelling] + n
+    suffix_hash = _suffix_hashes(s_flat, s_starts, s_lengths)[suffix_start]
+    slot = np.minimum(np.searchsorted(d_sorted, suffix_hash), max(d_sorted.size - 1, 0))
+    hit = np.flatnonzero(d_sorted[slot] == suffix_hash) if d_sorted.size else np.zeros(0, np.int64)
+    spelling, n, suffix_start, match = spelling[hit], n[hit], suffix_start[hit], order[slot[hit]]
+    size = s_lengths[spelling] - n
+    same = size == d_lengths[match]
+    spelling, n, suffix_start, match, size = spelling[same], n[same], suffix_start[same], match[same], size[same]
+    equal = _equal_runs(s_flat, suffix_start, d_flat, d_starts[match], size)
+    a = s_reps[spelling[equal]].astype(np.int32)
+    b = d_reps[match[equal]].astype(np.int32)
+    n = n[equal].astype(np.int32)
+    order = np.lexsort((b, n, a))
+    if advance is not None:
+        advance(s_reps.size)
+    return a[order], b[order], n[order]
+
+
+def _equal_runs(left: np.ndarray, left_starts, right: np.ndarray, right_starts, sizes) -> np.ndarray:
+    """bool per run: left[left_starts[i]:+sizes[i]] == right[right_starts[i]:+sizes[i]] (sizes >= 1)."""
+    if sizes.size == 0:
+        return np.zeros(0, dtype=bool)
+    offsets = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    differs = left[np.repeat(left_starts, sizes) + offsets] != right[np.repeat(right_starts, sizes) + offsets]
+    return np.add.reduceat(differs, np.cumsum(sizes) - sizes) == 0
+
+
+def _prefix_entries_by_lookup(source: Vocabulary, destination: Vocabulary, advance=None):
+    """`prefix_entries` by one dictionary look-up per suffix (the exact, slower way)."""
     dst = destination.spelling_representatives()
     entries = []
     add = entries.append
@@ -215,10 +284,7 @@ def prefix_entries(source: Vocabulary, destination: Vocabulary, advance=None) ->
     if advance is not None:
         advance(len(spellings) % 8192)
     table = np.asarray(entries, dtype=np.int32).reshape(-1, 3)
-    a_ids, b_ids, lengths = table[:, 0], table[:, 1], table[:, 2]
-    a = np.asarray(a_ids, dtype=np.int32)
-    b = np.asarray(b_ids, dtype=np.int32)
-    n = np.asarray(lengths, dtype=np.int32)
+    a, b, n = table[:, 0], table[:, 1], table[:, 2]
     order = np.lexsort((b, n, a))
     return a[order], b[order], n[order]
 
@@ -257,12 +323,21 @@ def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle
 
 
 def build_table(source: TokenizerBundle, destination: TokenizerBundle) -> SubtokenTable:
-    """Build the (source -> destination) table from two loaded tokenizers (a progress bar on a terminal)."""
+    """Build the (source -> destination) table from two loaded tokenizers (a progress bar on a terminal).
+
+    The destination tokenizer encodes every source spelling (`canonical_chain_counts`) in a second
+    thread while this one finds the prefix-support entries: `encode_batch` releases the GIL.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     from csd_pipeline.runtime import progress
 
+    _ = destination.tokenizer  # built here: constructing it holds the GIL
     with progress.bar(2 * len(source.vocab.spellings()), "tables build", "spelling", unit_scale=True) as shown:
-        a, b, n = prefix_entries(source.vocab, destination.vocab, shown.update)
-        canonical = canonical_chain_counts(source, destination, shown.update)
+        with ThreadPoolExecutor(1) as pool:
+            canonical = pool.submit(canonical_chain_counts, source, destination, shown.update)
+            a, b, n = prefix_entries(source.vocab, destination.vocab, shown.update)
+            canonical = canonical.result()
     return SubtokenTable(
         source=source.vocab,
         destination=destination.vocab,

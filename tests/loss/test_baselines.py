@@ -372,3 +372,45 @@ def test_bad_options_raise_csd_error(case_of):
     dense = dict(case.rows[0])
     with pytest.raises(CsdError, match="stored top-k"):
         build_row_chunks(dense, 0, np.zeros((len(dense["teacher0_ids"]), case.t.vocab.size)), case.ctx)
+
+
+def _ragged(top: dict, rng) -> tuple[dict, dict]:
+    """(a --top-p style row: 1 to k entries per position, padding id -1 / log-prob -inf, the same row with
+    stale real entries left beyond each position's count) of a fixed top-k row."""
+    ids, logprobs = np.array(top["ids"]), np.array(top["logprobs"], dtype=np.float32)
+    k = ids.shape[1]
+    lengths = rng.integers(1, k + 1, size=len(ids)).astype(np.int64)
+    beyond = np.arange(k)[None, :] >= lengths[:, None]
+    clean = dict(top, ids=np.where(beyond, -1, ids), logprobs=np.where(beyond, -np.inf, logprobs), lengths=lengths)
+    return clean, dict(top, ids=ids, logprobs=logprobs, lengths=lengths)
+
+
+def test_baseline_rows_read_only_each_positions_entries(case_of):
+    case = case_of("llama-spm/gpt-2")
+    rng = np.random.default_rng(5)
+    for row, top in zip(case.rows, case.tops, strict=True):
+        clean, stale = _ragged(top, rng)
+        a, b = build_row_chunks(row, 0, clean, case.ctx), build_row_chunks(row, 0, stale, case.ctx)
+        full = build_row_chunks(row, 0, top, case.ctx)
+        assert a.num_chunks == b.num_chunks == full.num_chunks > 0
+        for name in ("class_id", "class_logp", "class_count", "unshared_logp"):
+            assert np.array_equal(getattr(a, name), getattr(b, name))
+        # fewer entries than the fixed top-k: the explicit mass can only shrink
+        assert np.isfinite(a.class_logp).sum() + np.isfinite(a.unshared_logp).sum() <= \
+            np.isfinite(full.class_logp).sum() + np.isfinite(full.unshared_logp).sum()
+
+
+def test_shuffled_control_moves_each_positions_entry_count(case_of):
+    case = case_of("llama-spm/gpt-2")
+    rng = np.random.default_rng(7)
+    tops = [_ragged(top, rng)[0] for top in case.tops]
+    out = shuffle_teacher_rows(tops, np.random.default_rng(3))
+
+    def stored(rows):
+        return sorted((tuple(t["ids"][j][:t["lengths"][j]]), int(t["lengths"][j])) for t in rows
+                      for j in range(len(t["ids"])) if np.isfinite(t["observed_logprob"][j]))
+
+    assert stored(tops) == stored(out)  # each position's entries travel with their count
+    for t in out:
+        width = t["ids"].shape[1]
+        assert ((t["ids"] >= 0) == (np.arange(width)[None, :] < t["lengths"][:, None])).all()

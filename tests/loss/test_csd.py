@@ -351,6 +351,60 @@ def test_special_pair_chunk_matches_reference(case_of):
     assert float((h.grad - g_ref).abs().max()) <= TOL * max(1.0, float(g_ref.abs().max()))
 
 
+def _variable_length_rows(case: Case, top_p: float):
+    """The case's top-16 rows made variable-length (`--top-p top_p`, every 7th position forced to 1
+    entry and every 5th to all 16) and passed through the codec, in three forms: padded as the reader
+    yields them (id -1, log-prob -inf after `lengths`), ragged (per position only its entries: what
+    the reference reads) and with stale values after `lengths` (the left-out entries, finite)."""
+    from csd_pipeline.teacher.codec import decode_block, encode_block
+    from csd_pipeline.teacher.runner import mass_lengths
+
+    padded, ragged, stale, counts = [], [], [], []
+    for r, d in zip(case.rows, case.dense):
+        full = topk_from_dense(r, d, TOP_K)
+        lengths = mass_lengths(full["logprobs"], top_p)
+        lengths[::7], lengths[3::5] = 1, TOP_K
+        observed_ids = np.append(r["teacher0_ids"][1:], -1)
+        payload = encode_block(full["ids"], full["logprobs"], observed_ids, full["observed_logprob"], lengths)
+        ids, logprobs, observed, decoded_lengths = decode_block(payload, observed_ids >= 0)
+        assert decoded_lengths.tolist() == lengths.tolist()
+        padded.append({"row_id": r["row_id"], "ids": ids, "logprobs": logprobs, "observed_logprob": observed,
+                       "lengths": decoded_lengths})
+        ragged.append({"row_id": r["row_id"], "ids": [ids[t, :n] for t, n in enumerate(lengths)],
+                       "logprobs": [logprobs[t, :n] for t, n in enumerate(lengths)], "observed_logprob": observed})
+        filled_ids, filled_lp = ids.copy(), logprobs.copy()
+        for t, n in enumerate(lengths):
+            left_out = [j for j in range(TOP_K) if full["ids"][t, j] not in ids[t, :n]]
+            filled_ids[t, n:] = full["ids"][t, left_out]
+            filled_lp[t, n:] = full["logprobs"][t, left_out]
+        stale.append({"row_id": r["row_id"], "ids": filled_ids, "logprobs": filled_lp, "observed_logprob": observed,
+                      "lengths": decoded_lengths})
+        counts.extend(lengths.tolist())
+    return padded, ragged, stale, counts
+
+
+@pytest.mark.parametrize(("pair", "spelling", "divergence"), [("llama-bpe/qwen2", "sum", "jsd"),
+                                                              ("llama-spm/gpt-2", "exclude", "kl")])
+def test_variable_length_teacher_rows_match_reference(case_of, pair, spelling, divergence):
+    """Rows of a `--top-p` output (1 to 16 entries per position) give the loss and gradient of the
+    reference reading only each position's entries; entries after `lengths` are never read."""
+    case = case_of(pair)
+    padded, ragged, stale, counts = _variable_length_rows(case, top_p=0.9)
+    assert 1 in counts and TOP_K in counts and 1 < np.mean(counts) < TOP_K
+    ref, ref_h, ref_w = _reference(case, case.rows, ragged, divergence, spelling)
+    for teachers in (padded, stale):
+        out, batch, g_h, g_w = _implementation(case, case.rows, teachers, divergence, spelling)
+        assert batch.num_chunks == ref["chunks"][0] > 0
+        for name in ("loss", "ce", "kd"):
+            assert _close(getattr(out, name), ref[name]), (name, _f(getattr(out, name)), _f(ref[name]))
+        assert float((g_h - ref_h).abs().max()) <= TOL * max(1.0, float(ref_h.abs().max()))
+        assert float((g_w - ref_w).abs().max()) <= TOL * max(1.0, float(ref_w.abs().max()))
+    # The stale entries would change the loss if they were read: the reference on the whole top-16 differs.
+    whole, _, _ = _reference(case, case.rows, [dict(t, ids=list(t["ids"]), logprobs=list(t["logprobs"])) for t in stale],
+                             divergence, spelling)
+    assert abs(_f(whole["kd"]) - _f(ref["kd"])) > 1e-4
+
+
 def test_ce_only_and_no_chunks(case_of):
     """loss="ce" (no teachers) and a batch without accepted chunks both give L = CE exactly."""
     case = case_of("llama-spm/gpt-2")
@@ -458,16 +512,18 @@ def _dense_reference(h, w, pos, tok):
     g=st.integers(0, 80),
     chunk=st.integers(1, 50),
     seed=st.integers(0, 2**31 - 1),
+    keep=st.sampled_from([0, 1 << 10, 1 << 14, 1 << 30]),
 )
-def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed):
-    """Values and gradients (h and W) of the chunked path equal dense autograd in float64."""
+def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed, keep):
+    """Values and gradients (h and W) of the chunked path equal dense autograd in float64, whether the
+    backward recomputes every chunk, reuses the ones kept within `keep_bytes`, or all."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(p, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(v, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     pos = torch.randint(0, p, (g,), generator=gen)
     tok = torch.randint(0, v, (g,), generator=gen)
     upstream = torch.randn(g, generator=gen, dtype=torch.float64)
-    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk)
+    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk, keep_bytes=keep)
     (out * upstream).sum().backward()
     h2 = h.detach().clone().requires_grad_(True)
     w2 = w.detach().clone().requires_grad_(True)
@@ -512,6 +568,34 @@ def test_chunked_forward_saves_no_positions_by_vocab_tensor():
         out = chunked_token_logprobs(h, w, torch.arange(p), torch.randint(0, v, (p,)), chunk_size=16)
     out.sum().backward()
     assert saved and max(saved) <= max(v * 16, p * 16) < p * v
+
+
+def test_kept_chunks_are_not_recomputed(monkeypatch):
+    """keep_bytes: the forward keeps the first chunks that fit and the backward forms logits only for
+    the others (6 chunks of 16 x 4000 float32 = 256,000 bytes each); the results do not change."""
+    import csd_pipeline.loss.token_logprobs as token_logprobs
+
+    formed = []
+    real = token_logprobs._chunk_logits
+    monkeypatch.setattr(token_logprobs, "_chunk_logits", lambda h, w, acc: formed.append(h.shape[0]) or real(h, w, acc))
+    gen = torch.Generator().manual_seed(11)
+    h, w = torch.randn(96, 16, generator=gen), torch.randn(4000, 16, generator=gen)
+    pos, tok = torch.arange(96).repeat(2), torch.randint(0, 4000, (192,), generator=gen)
+    results = {}
+    for keep, chunks_formed in ((0, 12), (2 * 256_000, 10), (2 * 256_000 + 255_999, 10), (10**9, 6)):
+        formed.clear()
+        hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = chunked_token_logprobs(hk, wk, pos, tok, chunk_size=16, keep_bytes=keep)
+        out.sum().backward()
+        assert len(formed) == chunks_formed, (keep, formed)
+        results[keep] = (out.detach(), hk.grad, wk.grad)
+    for out, grad_h, grad_w in results.values():
+        assert torch.allclose(out, results[0][0], atol=1e-5) and torch.allclose(grad_h, results[0][1], atol=1e-5)
+        assert torch.allclose(grad_w, results[0][2], atol=1e-5)
+    assert token_logprobs.keep_bytes_for(3 * 256_000, 4000, 16) == 2 * 256_000
+    assert token_logprobs.keep_bytes_for(100, 4000, 16) == 0
+    with pytest.raises(CsdError, match="keep_bytes"):
+        chunked_token_logprobs(h, w, pos, tok, keep_bytes=-1)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """The teacher top-k codec: exact ids, log-probs within 1/102 nat, observed log-probs, on random
-(hypothesis) and real SmolLM2 output."""
+(hypothesis) and real SmolLM2 output; fixed and variable entry counts per position (`--top-p`);
+blocks of the version 1 encoding still decode."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.codec import (
     LOGPROB_FLOOR,
     MAX_ABS_ERROR,
+    PAD_ID,
     block_header,
     canonical_order,
     decode_block,
@@ -29,22 +31,32 @@ def _tolerance(value) -> np.ndarray:
     return MAX_ABS_ERROR + 4 * np.spacing(np.abs(np.asarray(value, np.float32)))
 
 
-def _roundtrip_checks(ids, logprobs, observed_ids, observed_lp):
-    """Encode, decode and compare with the input (brute force per position)."""
-    payload = encode_block(ids, logprobs, observed_ids, observed_lp)
+def _roundtrip_checks(ids, logprobs, observed_ids, observed_lp, lengths=None):
+    """Encode, decode and compare with the input (brute force per position): lengths[p] of the
+    entries of position p (all k without lengths), none less likely on the grid than one left out,
+    then padding."""
+    payload = encode_block(ids, logprobs, observed_ids, observed_lp, lengths)
     mask = observed_ids >= 0
-    out_ids, out_lp, out_obs = decode_block(payload, mask)
+    out_ids, out_lp, out_obs, out_lengths = decode_block(payload, mask)
     positions, k = ids.shape
+    lengths = np.full(positions, k) if lengths is None else np.asarray(lengths)
     assert out_ids.shape == (positions, k) and out_ids.dtype == np.int32
     assert out_lp.shape == (positions, k) and out_lp.dtype == np.float32
+    assert out_lengths.tolist() == lengths.tolist()
     reference = np.maximum(np.asarray(logprobs, np.float64), LOGPROB_FLOOR)
     for p in range(positions):
-        # The same (id, log-prob) pairs, in descending log-prob order.
+        n = int(lengths[p])
+        # n of the given (id, log-prob) pairs, in descending log-prob order, then padding.
         expected = dict(zip(ids[p].tolist(), reference[p].tolist()))
-        assert sorted(out_ids[p].tolist()) == sorted(expected)
-        for token, value in zip(out_ids[p].tolist(), out_lp[p].tolist()):
+        kept = out_ids[p, :n].tolist()
+        assert len(set(kept)) == n and set(kept) <= set(expected)
+        for token, value in zip(kept, out_lp[p, :n].tolist()):
             assert abs(value - expected[token]) <= _tolerance(expected[token])
-        assert np.all(np.diff(out_lp[p]) <= 0)
+        left_out = [expected[i] for i in expected if i not in kept]
+        if left_out:  # the kept ones are the most likely, up to ties on the grid
+            assert quantize([min(expected[i] for i in kept)])[0] <= quantize([max(left_out)])[0]
+        assert np.all(np.diff(out_lp[p, :n]) <= 0)
+        assert np.all(out_ids[p, n:] == PAD_ID) and np.all(np.isneginf(out_lp[p, n:]))
     assert np.all(np.isnan(out_obs[~mask]))
     expected_obs = np.maximum(np.asarray(observed_lp, np.float64)[mask], LOGPROB_FLOOR)
     assert np.all(np.abs(out_obs[mask] - expected_obs) <= _tolerance(expected_obs))
@@ -83,13 +95,87 @@ def blocks(draw):
             outside = np.setdiff1d(np.arange(min(vocab, k + 50)), ids[p])
             observed_ids[p] = outside[0]
             observed_lp[p] = lp[p].min() - np.float32(rng.exponential(2.0))
-    return ids, lp, observed_ids, observed_lp
+    counts = draw(st.sampled_from(["all", "one", "random", "max_and_one"]))
+    if counts == "all":
+        lengths = None
+    elif counts == "one":
+        lengths = np.ones(positions, np.int64)
+    elif counts == "random":
+        lengths = rng.integers(1, k + 1, size=positions)
+    else:
+        lengths = np.where(np.arange(positions) % 2 == 0, k, 1)
+    return ids, lp, observed_ids, observed_lp, lengths
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(blocks())
 def test_roundtrip_property(block):
     _roundtrip_checks(*block)
+
+
+def test_variable_counts_keep_the_most_likely_and_the_observed_one_outside_them():
+    """Position 0 keeps 1 entry, position 1 all k: an observed token among the dropped entries is
+    stored as a gap below the position's last kept value, not as an index into the dropped ones."""
+    ids = np.array([[9, 5, 2, 7], [4, 3, 8, 1]])
+    lp = np.array([[-2.5, -0.1, -3.0, -4.0], [-1.0, -1.5, -2.0, -2.2]], np.float32)
+    payload = _roundtrip_checks(ids, lp, np.array([2, -1]), np.array([-3.0, np.nan], np.float32), np.array([1, 4]))
+    decoded = decode_block(payload, np.array([True, False]))
+    assert decoded.ids[0].tolist() == [5, PAD_ID, PAD_ID, PAD_ID] and decoded.lengths.tolist() == [1, 4]
+    assert abs(decoded.observed[0] - (-3.0)) <= MAX_ABS_ERROR
+    assert block_header(payload)["entries"] == 5
+
+
+def test_fixed_k_stores_no_entry_counts():
+    rng = np.random.default_rng(1)
+    ids = rng.choice(50_000, size=(64, 16), replace=False)
+    lp = -np.sort(rng.exponential(2.0, size=(64, 16)), axis=1).astype(np.float32)
+    observed_ids = np.append(ids[1:, 0], -1)
+    fixed = encode_block(ids, lp, observed_ids, lp[:, 0])
+    assert block_header(fixed)["stream_bytes"]["lens"] == 0
+    assert fixed == encode_block(ids, lp, observed_ids, lp[:, 0], np.full(64, 16))
+    assert block_header(encode_block(ids, lp, observed_ids, lp[:, 0], np.full(64, 15)))["stream_bytes"]["lens"] > 0
+
+
+def test_bad_entry_counts_raise_value_error():
+    ids, lp = np.array([[1, 2]]), np.array([[-0.1, -1.0]], np.float32)
+    for lengths in ([0], [3], [1, 1]):
+        with pytest.raises(ValueError):
+            encode_block(ids, lp, np.array([-1]), np.array([np.nan], np.float32), np.array(lengths))
+
+
+def test_version_1_blocks_still_decode():
+    """A shard written by the version 1 code path (tests/data/teacher-topk-v1, see its README entry):
+    every block decodes to k = 8 entries per position, within the grid of an independent float32
+    forward of each row, with the same ids."""
+    import pyarrow.parquet as pq
+
+    folder = DATA / "teacher-topk-v1"
+    reference = np.load(folder / "reference.npz", allow_pickle=False)
+    table = pq.read_table(folder / "part-00000-00000.parquet")
+    positions = table.column("positions").to_numpy()
+    payloads = [p for p in table.column("payload").to_pylist() if p is not None]
+    blocks = table.column("block").to_numpy()
+    ids, lp, observed, offset = [], [], [], 0
+    for block, payload in enumerate(payloads):
+        lengths = positions[blocks == block]
+        mask = np.ones(int(lengths.sum()), bool)
+        mask[np.cumsum(lengths) - 1] = False
+        assert block_header(payload)["version"] == 1
+        decoded = decode_block(payload, mask)
+        assert decoded.lengths.tolist() == [8] * int(lengths.sum())
+        ids.append(decoded.ids)
+        lp.append(decoded.logprobs)
+        observed.append(decoded.observed)
+        offset += int(lengths.sum())
+    ids, lp, observed = np.concatenate(ids), np.concatenate(lp), np.concatenate(observed)
+    assert offset == int(reference["positions"].sum()) == len(ids)
+    order = np.argsort(reference["topk_ids"], axis=1)
+    assert np.array_equal(np.sort(ids, axis=1), np.take_along_axis(reference["topk_ids"], order, axis=1))
+    forward_noise = 1e-4  # the stage ran rows batched with padding; the reference ran each row alone
+    assert np.all(np.abs(np.sort(lp, axis=1) - np.sort(reference["topk_logprobs"], axis=1)) <= MAX_ABS_ERROR + forward_noise)
+    has_next = ~np.isnan(reference["observed_logprob"])
+    assert np.array_equal(has_next, ~np.isnan(observed))
+    assert np.all(np.abs(observed[has_next] - reference["observed_logprob"][has_next]) <= MAX_ABS_ERROR + forward_noise)
 
 
 def test_rounding_does_not_accumulate():
@@ -125,6 +211,9 @@ def test_corrupt_payloads_raise_csd_error():
     with pytest.raises(CsdError):
         decode_block(payload, np.ones(5, bool))  # the rows disagree with the block
     assert block_header(payload)["positions"] == 5
+    variable = encode_block(ids, lp, np.array([1, 2, 3, 4, -1]), lp[:, 0], np.array([1, 8, 3, 2, 5]))
+    with pytest.raises(CsdError):
+        decode_block(variable[:-1], mask)
 
 
 @pytest.fixture

@@ -270,8 +270,10 @@ def test_manifest_and_co_partitioning(aligned, tiny_teacher, tiny_output):
 
     manifest = json.loads((tiny_output / "manifest.json").read_text())
     aligned_manifest = json.loads((aligned / "manifest.json").read_text())
-    assert manifest["stage"] == "teacher-logits" and manifest["schema_version"] == 1
-    assert manifest["config"]["top_k"] == K and manifest["config"]["encoding"] == "csd-topk-lzma-v1"
+    assert manifest["stage"] == "teacher-logits" and manifest["schema_version"] == 2
+    assert manifest["config"]["top_k"] == K and manifest["config"]["encoding"] == "csd-topk-lzma-v2"
+    assert manifest["config"]["top_p"] is None
+    assert manifest["totals"]["stats"]["entries"] == K * manifest["totals"]["stats"]["positions"]
     assert manifest["config"]["temperature"] == 1.0 and manifest["config"]["max_abs_error"] < 0.01
     assert manifest["teacher"]["fingerprint"] == model_fingerprint(tiny_teacher)["sha256"]
     assert set(manifest["teacher"]["files"]) == {"config.json", "model.safetensors"}
@@ -286,6 +288,80 @@ def test_manifest_and_co_partitioning(aligned, tiny_teacher, tiny_output):
     stats = manifest["totals"]["stats"]
     assert stats["positions"] == sum(len(ids) for _, _, ids in aligned_rows(aligned))
     assert stats["rejected"]["non_finite"] == 0
+
+
+TOP_P = 0.6
+
+
+def test_top_p_keeps_the_most_likely_entries_until_their_mass(aligned, tiny_teacher, tmp_path):
+    """--top-p: position t keeps the n most likely ids, n the smallest count whose float64 reference
+    probabilities reach P, at most K; then padding. Positions keep 1 entry and K entries."""
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+
+    out = tmp_path / "top-p"
+    assert run_stage(aligned, tiny_teacher, out, top_p=TOP_P).complete
+    output = TeacherTopkOutput.open(out)
+    assert output.top_p == TOP_P and output.top_k == K and output.manifest["schema_version"] == 2
+    metadata = pq.read_schema(out / output.shard_files[0]).metadata
+    assert metadata[b"csd.top_p"] == repr(TOP_P).encode() and metadata[b"csd.schema_version"] == b"2"
+    counts, stored = [], 0
+    for row, (_, _, ids) in zip(output.rows(), aligned_rows(aligned)):
+        real = float64_reference(tiny_teacher, ids)[:, :VOCAB]
+        top = -np.sort(-real, axis=1)[:, :K]
+        mass = np.cumsum(np.exp(top), axis=1)
+        for t in range(len(ids)):
+            n = int(row.lengths[t])
+            expected = min(K, 1 + int(np.count_nonzero(mass[t] < TOP_P)))
+            boundary = np.abs(mass[t] - TOP_P).min() < 1e-4  # float32 vs float64 may decide either way
+            assert n == expected or (boundary and abs(n - expected) == 1), (t, n, expected, mass[t])
+            kept, values = row.entries(t)
+            nth = top[t, n - 1]
+            assert np.all(real[t, kept] >= nth - 1e-4)  # among the n most likely (up to float noise) ...
+            assert set(np.flatnonzero(real[t] > nth + 1e-4).tolist()) <= set(kept.tolist())  # ... all clear ones
+            assert np.all(np.abs(values - real[t, kept]) <= TOLERANCE)
+            assert np.all(row.ids[t, n:] == -1) and np.all(np.isneginf(row.logprobs[t, n:]))
+            counts.append(n)
+        observed = real[np.arange(len(ids) - 1), ids[1:]]
+        assert np.all(np.abs(row.observed_logprob[:-1] - observed) <= TOLERANCE)
+        stored += int(row.lengths.sum())
+    assert 1 in counts and K in counts and 1 < np.mean(counts) < K
+    assert output.manifest["totals"]["stats"]["entries"] == stored
+
+
+def test_top_p_out_of_range_is_refused(aligned, tiny_teacher, tmp_path):
+    from csd_pipeline.errors import CsdError
+
+    for value in (0.0, 1.5, -0.1):
+        with pytest.raises(CsdError, match="--top-p"):
+            run_stage(aligned, tiny_teacher, tmp_path / "bad", top_p=value)
+
+
+def test_version_1_output_is_still_read():
+    """An output of schema version 1 (tests/data/teacher-topk-v1: written by the code before --top-p,
+    fixed top-8 of SmolLM2 on Genesis 1) opens and reads: every position holds its 8 entries, the ids
+    of an independent float32 forward of each row alone, values within the grid."""
+    from csd_pipeline import read_teacher_topk
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+
+    folder = DATA / "teacher-topk-v1"
+    reference = np.load(folder / "reference.npz", allow_pickle=False)
+    output = TeacherTopkOutput.open(folder)
+    assert output.manifest["schema_version"] == 1 and output.top_k == 8 and output.top_p is None
+    rows = list(read_teacher_topk(folder))
+    assert [r.row_id for r in rows] == reference["row_ids"].tolist()
+    offsets = np.concatenate([[0], np.cumsum(reference["positions"])])
+    for index, row in enumerate(rows):
+        part = slice(offsets[index], offsets[index + 1])
+        assert row.ok and row.lengths.tolist() == [8] * int(reference["positions"][index])
+        assert np.array_equal(np.sort(row.ids, axis=1), np.sort(reference["topk_ids"][part], axis=1))
+        for t in range(len(row.ids)):
+            expected = dict(zip(reference["topk_ids"][part][t].tolist(), reference["topk_logprobs"][part][t].tolist()))
+            for token, value in zip(*row.entries(t)):
+                assert abs(value - expected[int(token)]) <= TOLERANCE
+        observed = reference["observed_logprob"][part]
+        assert np.all(np.abs(row.observed_logprob[:-1] - observed[:-1]) <= TOLERANCE) and np.isnan(row.observed_logprob[-1])
 
 
 def test_teacher_vocabulary_size_comes_from_the_aligned_manifest(aligned, tmp_path, monkeypatch):

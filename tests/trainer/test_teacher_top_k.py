@@ -27,3 +27,17 @@ def test_keeps_the_n_most_likely_entries_of_every_position():
         np.testing.assert_allclose(kept.logprobs[p], logprobs[p, kept.ids[p]], rtol=1e-6)
     np.testing.assert_array_equal(kept.observed_logprob, row.observed_logprob)
     assert keep_most_likely(row, 32) is row and keep_most_likely(row, 64) is row
+
+
+def test_variable_length_rows_keep_at_most_their_own_entries():
+    """A row written with --top-p: position 0 holds 1 entry, position 1 all 6, position 2 holds 3;
+    keeping 4 leaves 1, 4 and 3 entries, padding (id -1, log-prob -inf) after them."""
+    ids = np.array([[7, -1, -1, -1, -1, -1], [1, 2, 3, 4, 5, 6], [9, 8, 6, -1, -1, -1]], np.int32)
+    logprobs = np.array([[-0.01, -np.inf, -np.inf, -np.inf, -np.inf, -np.inf],
+                         [-1.0, -1.5, -2.0, -2.5, -3.0, -3.5],
+                         [-0.5, -1.2, -2.9, -np.inf, -np.inf, -np.inf]], np.float32)
+    row = TeacherTopkRow("r", ids, logprobs, np.array([-0.01, -1.5, np.nan], np.float32), lengths=np.array([1, 6, 3]))
+    kept = keep_most_likely(row, 4)
+    assert kept.lengths.tolist() == [1, 4, 3]
+    assert [kept.entries(t)[0].tolist() for t in range(3)] == [[7], [1, 2, 3, 4], [9, 8, 6]]
+    assert kept.ids[0, 1:].tolist() == [-1, -1, -1] and np.isneginf(kept.logprobs[2, 3])

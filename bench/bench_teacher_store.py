@@ -1,0 +1,156 @@
+"""Bytes per position of the teacher store, by kind of text and by what each position keeps (issue 21).
+
+The real SmolLM2-135M-Instruct teacher runs once over `bench/corpus/kinds.jsonl` (six kinds of
+text, one aligned shard each, gpt-2 student, 1024-token windows) with its top-128; each setting
+then writes the shard exactly as `teacher-logits` would (`write_teacher_shard`, same blocks, same
+Parquet file) from those same values:
+
+- `top-128`, `top-64`, `top-32`: a fixed top-k (`--top-k 128`, ...);
+- `p0.99`, `p0.95`, `p0.90`: the mass-adaptive top-k (`--top-p P --top-k 128`): per position the most
+  likely entries until their probabilities reach P, at most 128; `p0.99k64`: `--top-p 0.99 --top-k 64`.
+
+Reported per kind and over all kinds: shard-file bytes per position, entries per position (mean,
+share of positions with 1 entry and with 128), the teacher mass the stored entries hold, and how
+often the observed next token is among them. `pooled_block` encodes every kind's positions as one
+block (what a large shard's 64k-position blocks see: LZMA warmed up) for the scale sheet. A real
+`TeacherRunner(top_p=0.99)` run on the first kind must write the same bytes as its `p0.99` file.
+
+    python bench/bench_teacher_store.py [--quick] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TEACHER = "smollm2-135m-instruct"
+STORED_K = 128
+SETTINGS = {"top-128": (128, None), "top-64": (64, None), "top-32": (32, None), "p0.99": (128, 0.99),
+            "p0.95": (128, 0.95), "p0.90": (128, 0.90), "p0.99k64": (64, 0.99)}
+
+
+class _Replay:
+    """A stand-in for `TeacherRunner` that hands back values computed once (per setting: k, top_p)."""
+
+    def __init__(self, results: dict, device, top_k: int, top_p: float | None):
+        self.results, self.device, self.top_k, self.top_p = results, device, top_k, top_p
+
+    def run(self, rows):
+        from csd_pipeline.teacher.runner import mass_lengths
+
+        out = []
+        for row in rows:
+            full = self.results[id(row)]
+            ids, logprobs = full.ids[:, :self.top_k], full.logprobs[:, :self.top_k]
+            lengths = None if self.top_p is None else mass_lengths(logprobs, self.top_p)
+            out.append(replace(full, ids=ids, logprobs=logprobs, lengths=lengths))
+        return out
+
+
+def _coverage(results, top_k: int, top_p: float | None, rows) -> dict:
+    """Entries per position, the stored teacher mass and the observed token among the stored entries."""
+    import numpy as np
+
+    from csd_pipeline.teacher.runner import mass_lengths
+
+    counts, mass, hits, observed = [], [], 0, 0
+    for result, row in zip(results, rows):
+        logprobs, ids = result.logprobs[:, :top_k], result.ids[:, :top_k]
+        n = np.full(len(row), top_k) if top_p is None else mass_lengths(logprobs, top_p)
+        kept = np.arange(top_k)[None, :] < n[:, None]
+        counts.append(n)
+        mass.append(np.where(kept, np.exp(logprobs.astype(np.float64)), 0.0).sum(axis=1))
+        hits += int(((ids[:-1] == np.asarray(row[1:])[:, None]) & kept[:-1]).any(axis=1).sum())
+        observed += len(row) - 1
+    counts, mass = np.concatenate(counts), np.concatenate(mass)
+    return {"entries_mean": float(counts.mean()), "entries_median": float(np.median(counts)),
+            "one_entry_share": float((counts == 1).mean()), "at_cap_share": float((counts == top_k).mean()),
+            "stored_mass_mean": float(mass.mean()), "observed_stored_share": hits / observed}
+
+
+def _pooled_block(all_results, all_rows, top_k: int, top_p: float | None) -> float:
+    """Payload bytes per position when every kind's positions form one block."""
+    from csd_pipeline.teacher.shard_writer import encode_rows
+
+    runner = _Replay({id(r): res for r, res in zip(all_rows, all_results)}, None, top_k, top_p)
+    payload, stats = encode_rows(runner.run(all_rows), all_rows, top_k)
+    return len(payload) / stats["positions"]
+
+
+def run(quick: bool = False) -> dict:
+    """Bytes per position per kind and setting; returns {"name", "metrics", "checks"}."""
+    import torch
+
+    from bench.bench_teacher import _align
+    from csd_pipeline.align.output import AlignedOutput
+    from csd_pipeline.fixtures.names import model_path
+    from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.teacher.config import TeacherLogitsConfig
+    from csd_pipeline.teacher.runner import TeacherRunner
+    from csd_pipeline.teacher.shard_writer import write_teacher_shard
+
+    block = TeacherLogitsConfig.block_positions
+    metrics: dict = {}
+    with tempfile.TemporaryDirectory(prefix="bench-teacher-store-") as tmp_name:
+        tmp = Path(tmp_name)
+        aligned_dir, files = _align(tmp, quick, None)
+        kinds = [Path(name).stem.split("-", 1)[1] for name in files]
+        aligned = AlignedOutput.open(aligned_dir)
+        loaded = load_causal_lm(str(model_path(TEACHER)), device="cpu")
+        runner = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=49152, batch_tokens=8192)
+        totals = {name: [0, 0] for name in SETTINGS}
+        all_rows, all_results, coverage_rows = [], [], {name: [] for name in SETTINGS}
+        began = time.perf_counter()
+        for index, (kind, shard) in enumerate(zip(kinds, aligned.shards)):
+            row_ids, rows = aligned.teacher_rows(shard, 0)
+            results = runner.run(rows)
+            all_rows += rows
+            all_results += results
+            for name, (top_k, top_p) in SETTINGS.items():
+                target = tmp / f"{name}-{index}.parquet"
+                replay = _Replay({id(r): res for r, res in zip(rows, results)}, runner.device, top_k, top_p)
+                stats = write_teacher_shard(replay, row_ids, rows, target, block).stats
+                size = target.stat().st_size
+                totals[name][0] += size
+                totals[name][1] += stats["positions"]
+                metrics[f"{kind}/{name}/bytes_per_position"] = round(size / stats["positions"], 2)
+                coverage = _coverage(results, top_k, top_p, rows)
+                coverage_rows[name].append((stats["positions"], coverage))
+                metrics[f"{kind}/{name}/entries_mean"] = round(coverage["entries_mean"], 2)
+            metrics[f"{kind}/positions"] = sum(len(r) for r in rows)
+            if index == 0:  # the real runner with --top-p writes what the replay wrote
+                real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=49152, batch_tokens=8192, top_p=0.99)
+                write_teacher_shard(real, row_ids, rows, tmp / "real-p0.99.parquet", block)
+                same = (tmp / "real-p0.99.parquet").read_bytes() == (tmp / "p0.99-0.parquet").read_bytes()
+        seconds = time.perf_counter() - began
+        for name, (top_k, top_p) in SETTINGS.items():
+            size, positions = totals[name]
+            metrics[f"all/{name}/bytes_per_position"] = round(size / positions, 2)
+            metrics[f"all/{name}/pooled_block_payload_bytes_per_position"] = round(
+                _pooled_block(all_results, all_rows, top_k, top_p), 2)
+            for key in ("entries_mean", "one_entry_share", "at_cap_share", "stored_mass_mean", "observed_stored_share"):
+                weighted = sum(n * c[key] for n, c in coverage_rows[name]) / positions
+                metrics[f"all/{name}/{key}"] = round(weighted, 4)
+        metrics["positions"] = totals["top-128"][1]
+        metrics["teacher_and_encode_seconds"] = round(seconds, 1)
+        metrics["torch_threads"] = torch.get_num_threads()
+    checks = {"real_top_p_run_writes_the_replayed_bytes": {"value": same, "ok": same}}
+    return {"name": "teacher_store", "metrics": metrics, "checks": checks}
+
+
+if __name__ == "__main__":
+    result = run(quick="--quick" in sys.argv)
+    text = json.dumps(result, indent=2, sort_keys=True)
+    if "--json" in sys.argv:
+        target = Path(sys.argv[sys.argv.index("--json") + 1])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text + "\n")
+    print(text)
