@@ -26,12 +26,13 @@ bench-results/quality.json (with each run's held-out curve and seconds) and qual
 best CSD arm and csd_1to1, ULD, GOLD and CT-OPD's strict KD each at their published defaults plus a
 small sweep of their main knob, and the best CSD arm with its teacher rows shuffled (the control).
 Every arm runs with seed 0; then CE, both CSD arms, the control and, per baseline, its best seed-0 arm
-of the regime run with seeds 1 and 2 (`--quick`: 20 steps, seed 1 only). Writes
+of the regime run with seeds 1 and 2 (`--quick`: 20 steps, seed 1 only). `--comparison --arms A,B
+--seeds 0,1` runs just those (a subset run adds its runs to comparison.json). Writes
 bench-results/comparison.json (comparison-quick.json) and prints the table (mean over seeds, half the
 min-max spread, vs CE, vs the control, seconds per step).
 
     python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
-    python bench/bench_quality.py --comparison [--quick] [--regime ...]
+    python bench/bench_quality.py --comparison [--quick] [--regime ...] [--arms A,B --seeds 0,1]
 """
 
 from __future__ import annotations
@@ -263,8 +264,13 @@ def comparison_finalists(rows: list[dict]) -> list[str]:
     return finals
 
 
-def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: Path) -> None:
-    """Every COMPARISON_ARMS arm with seed 0, then the finalists with COMPARISON_SEEDS, per regime."""
+def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: Path,
+                   arms: list[str] | None = None, seeds: list[int] | None = None) -> None:
+    """Every COMPARISON_ARMS arm with seed 0, then the finalists with COMPARISON_SEEDS, per regime.
+
+    With `arms` and/or `seeds` (a subset run): exactly those arms (default COMPARISON_ARMS) with those
+    seeds (default 0), added to comparison.json in place of the same (regime, arm, seed) runs only."""
+    subset = arms is not None or seeds is not None
     results, teachers = [], {}
     for regime in regimes:
         steps = 20 if quick else REGIMES[regime]["steps"]
@@ -272,17 +278,17 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
         dirs = prepare(regime, out, log)
         teachers[regime] = teacher_score(dirs, log)
         rows: list[dict] = []
-        plan = [(arm, 0) for arm in COMPARISON_ARMS]
+        plan = [(arm, s) for s in (seeds or [0]) for arm in (arms or COMPARISON_ARMS)]
         while plan:
             arm, seed = plan.pop(0)
             rows.append(train_arm(regime, arm, seed, dirs, out, steps, log))
-            _save(results + rows, teachers, path, True)
+            _save(results + rows, teachers, path, not subset)
             print(f"[comparison] {regime:<13} {arm:<{ARM_WIDTH}} seed {seed}: {rows[-1]['bits_per_byte']:.4f} bits/byte "
                   f"({rows[-1]['seconds']:.0f} s)", flush=True)
-            if not plan and all(r["seed"] == 0 for r in rows):  # a quick run shows the second stage with one seed
+            if not subset and not plan and all(r["seed"] == 0 for r in rows):  # quick: the second stage, one seed
                 plan = [(arm, s) for s in COMPARISON_SEEDS[:1 if quick else None] for arm in comparison_finalists(rows)]
         results.extend(rows)
-    _save(results, teachers, path, True)
+    _save(results, teachers, path, not subset)
 
 
 def print_comparison(results: list[dict], teachers: dict) -> None:
@@ -309,6 +315,13 @@ def print_comparison(results: list[dict], teachers: dict) -> None:
                   f"{versus[0]} | {versus[1]} | {step_s} |")
 
 
+def _parse_seeds(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    try:
+        return [int(seed) for seed in text.split(",")]
+    except ValueError:
+        parser.error(f"--seeds: {text!r} is not a comma-separated list of integers, e.g. --seeds 0,1,2")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench-quality")
@@ -326,11 +339,13 @@ def main(argv: list[str]) -> int:
     results_dir = ROOT / "bench-results"
     results_dir.mkdir(exist_ok=True)
     if args.comparison:
-        if args.arms or args.seeds:
-            parser.error("--comparison runs its own arms and seeds; drop --arms and --seeds")
+        arms = [a.strip() for a in args.arms.split(",")] if args.arms else None
+        if arms and [a for a in arms if a not in ARMS]:
+            parser.error(f"--arms: unknown arm(s) {[a for a in arms if a not in ARMS]}; choose from {sorted(ARMS)}")
+        seeds = _parse_seeds(parser, args.seeds) if args.seeds else None
         path = results_dir / ("comparison-quick.json" if args.quick else "comparison.json")
         started = time.perf_counter()
-        run_comparison(args.regime or list(REGIMES), args.quick, out, log, path)
+        run_comparison(args.regime or list(REGIMES), args.quick, out, log, path, arms, seeds)
         merged = json.loads(path.read_text())
         print_comparison(merged["results"], merged["teacher_bits_per_byte"])
         print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {path}")
@@ -341,10 +356,7 @@ def main(argv: list[str]) -> int:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"--arms: unknown arm(s) {unknown}; choose from {sorted(ARMS)}")
-    try:
-        seeds = [int(seed) for seed in args.seeds.split(",")] if args.seeds else [0]
-    except ValueError:
-        parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers, e.g. --seeds 0,1,2")
+    seeds = _parse_seeds(parser, args.seeds) if args.seeds else [0]
     full = not args.arms and not args.seeds
     started = time.perf_counter()
     results, teachers = [], {}
