@@ -5,13 +5,16 @@
   textbook dense version (log_softmax of the whole [P, V] logits), each run in its own process
   (`loss_peak_worker.py`). Memory: the allocations of one step recorded by `torch.profiler`
   (`profile_memory=True`): the peak of the bytes held at once above the inputs, gradients
-  included. The chunked path runs with a memory budget for its logits (LOGITS_SHARE of the
-  batch's [P, V] float32 logits: one chunk of about 2^25 logits, the rest kept from the forward for
-  the backward, `token_logprobs.keep_bytes_for`) and, for reference, with none kept. Rounds alternate the
-  variants so that a shared machine's load falls on all of them; the best time of each counts.
-  Full run: V = 128,256, P = 2,048, H = 512 (a few minutes on 2 cores); quick: P = 1,024,
-  H = 256. Checks: chunked peak <= 30% of naive; chunked time <= 1.2x naive.
-- CE + CSD vs plain CE, both through the chunked path (same budget), forward+backward,
+  included. The chunked path runs with chunks of about 2^25 logits (261 positions at V = 128,256)
+  and keeps KEEP_SHARE of the batch's [P, V] float32 logits from the forward for the backward
+  (`--loss-keep-mb`: at the full size 668 MiB, which holds 5 of the 16 chunks), and, for reference,
+  once with none kept. Rounds alternate naive and chunked so that a shared machine's load falls
+  on both; every time is reported and the best of each counts. The CPU seconds of the same runs
+  (every thread) are reported too: on a shared machine they move less than the wall time.
+  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's size; about 4 minutes on 2 idle cores,
+  7.5 GB of memory for the naive run); quick: P = 1,024, H = 256. Checks: chunked peak <= 30% of
+  naive; chunked time <= 1.2x naive.
+- CE + CSD vs plain CE, both through the chunked path (the same share kept), forward+backward,
   interleaved repeats, best of each. Check: ratio <= 1.5.
 - Events: building the events of the same rows (real llama-bpe / qwen2 alignment of real text,
   teacher top-k 32) on one CPU core vs the chunked loss step on the same tokens. Check: events
@@ -36,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 VOCAB = 128_256
 TOP_K = 32
-LOGITS_SHARE = 0.5  # the chunked path may hold half of the batch's [P, V] logits at once (a chunk + kept ones)
+KEEP_SHARE = 1 / 3  # --loss-keep-mb of the chunked path: this share of the batch's [P, V] float32 logits
 
 
 def _aligned_rows(total_tokens: int, quick: bool):
@@ -156,16 +159,20 @@ def run(quick: bool = False) -> dict:
     """Measure; return {"name", "metrics", "checks"} (see the module docstring)."""
     import numpy as np
 
-    from csd_pipeline.loss.token_logprobs import auto_chunk_size, keep_bytes_for
+    from csd_pipeline.loss.token_logprobs import auto_chunk_size
 
-    mem_positions, mem_hidden = (1024, 256) if quick else (2048, 512)
+    mem_positions, mem_hidden = (1024, 256) if quick else (4096, 2048)
     speed_positions, speed_hidden = (256, 256) if quick else (1024, 512)
-    budget = int(LOGITS_SHARE * mem_positions * VOCAB * 4)
-    keep_mb = keep_bytes_for(budget, VOCAB) / (1 << 20)
+    keep_mb = KEEP_SHARE * mem_positions * VOCAB * 4 / (1 << 20)
+    speed_keep_mb = KEEP_SHARE * speed_positions * VOCAB * 4 / (1 << 20)
+    chunk = auto_chunk_size(VOCAB)
+    chunk_bytes = chunk * VOCAB * 4
+    n_chunks = -(-mem_positions // chunk)
     metrics: dict = {"vocab": VOCAB, "positions": mem_positions, "hidden": mem_hidden, "top_k": TOP_K,
-                     "chunk_size": auto_chunk_size(VOCAB), "logits_budget_mib": budget / (1 << 20),
-                     "kept_logits_budget_mib": keep_mb, "speed_positions": speed_positions,
-                     "speed_hidden": speed_hidden, "load_average_start": _load(), "cpu_count": os.cpu_count()}
+                     "chunk_size": chunk, "chunk_mib": chunk_bytes / (1 << 20), "chunks_per_step": n_chunks,
+                     "loss_keep_mb": keep_mb, "kept_chunks": min(n_chunks, int(keep_mb * (1 << 20)) // chunk_bytes),
+                     "speed_positions": speed_positions, "speed_hidden": speed_hidden,
+                     "load_average_start": _load(), "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-loss-") as tmp:
         # Tokenizers and tables live in a child process, so this one stays small while workers run.
         mem_path = str(Path(tmp) / "events-mem.npz")
@@ -184,18 +191,23 @@ def run(quick: bool = False) -> dict:
         np.savez(speed_path, **speed_arrays)
 
         variants = {"naive": ("naive", 0.0), "chunked": ("chunked", keep_mb), "chunked_keep0": ("chunked", 0.0)}
+        # naive, chunked, chunked_keep0, then chunked, naive: the two compared paths alternate
+        # (a busy machine slows both alike); keeping nothing is measured once, for its memory.
+        order = ["naive", "chunked", "chunked_keep0", "chunked", "naive"]
         runs: dict = {name: [] for name in variants}
-        for round_index in range(2):  # alternate the order: a busy machine slows every variant alike
-            names = list(variants) if round_index % 2 == 0 else list(reversed(variants))
-            for name in names:
-                variant, keep = variants[name]
-                runs[name].append(_worker(variant, mem_path, mem_tokens, mem_hidden, keep_mb=keep))
+        loads: dict = {name: [] for name in variants}
+        for name in order:
+            variant, keep = variants[name]
+            loads[name].append(round(_load(), 2))
+            runs[name].append(_worker(variant, mem_path, mem_tokens, mem_hidden, keep_mb=keep))
         ce_best, csd_best = [], []
         for _ in range(2 if quick else 3):  # interleaved, so both see the same machine load
-            ce_best += _worker("ce", speed_path, speed_positions, speed_hidden, repeats=2, keep_mb=keep_mb)["seconds"]
-            csd_best += _worker("chunked", speed_path, speed_positions, speed_hidden, repeats=2, keep_mb=keep_mb)["seconds"]
+            ce_best += _worker("ce", speed_path, speed_positions, speed_hidden, repeats=2, keep_mb=speed_keep_mb)["seconds"]
+            csd_best += _worker("chunked", speed_path, speed_positions, speed_hidden, repeats=2,
+                                keep_mb=speed_keep_mb)["seconds"]
     mib = 1 << 20
     best = {name: min(t for r in results for t in r["seconds"]) for name, results in runs.items()}
+    best_cpu = {name: min(t for r in results for t in r["cpu_seconds"]) for name, results in runs.items()}
     peak = {name: max(r["peak_above_inputs_bytes"] for r in results) for name, results in runs.items()}
     memory_ratio = peak["chunked"] / peak["naive"]
     time_ratio = best["chunked"] / best["naive"]
@@ -218,7 +230,10 @@ def run(quick: bool = False) -> dict:
         chunked_keep0_fwd_bwd_s=best["chunked_keep0"],
         chunked_keep0_over_naive_time=best["chunked_keep0"] / best["naive"],
         chunked_keep0_over_naive_peak=peak["chunked_keep0"] / peak["naive"],
-        all_runs_seconds={name: [r["seconds"][0] for r in results] for name, results in runs.items()},
+        all_runs_seconds={name: [round(r["seconds"][0], 2) for r in results] for name, results in runs.items()},
+        all_runs_cpu_seconds={name: [round(r["cpu_seconds"][0], 2) for r in results] for name, results in runs.items()},
+        chunked_over_naive_cpu_time=best_cpu["chunked"] / best_cpu["naive"],
+        load_average_before_each_run=loads,
         ce_only_fwd_bwd_s=min(ce_best),
         ce_plus_csd_fwd_bwd_s=min(csd_best),
         events_build_cpu_s=info["events_cpu_s"],

@@ -1,7 +1,8 @@
 """Speed of `make tables` as a ratio to the tokenizers floor, for three tokenizer pairs.
 
 Pairs (student, teacher): Llama 3 <-> Qwen2 (128k / 152k ids), and the 262k-id Gemma 3 with
-Llama 2 (32k, SentencePiece) and with SmolLM2 (49k, byte-level BPE). Floor: the time `tokenizers`
+Qwen2 (152k, byte-level BPE; issue 21's goal: within 3x the floor), with Llama 2 (32k,
+SentencePiece) and with SmolLM2 (49k, byte-level BPE). Floor: the time `tokenizers`
 needs to `encode_batch` the decoded text of every token of one vocabulary with the other
 tokenizer, both directions. Measured: the three calls `make tables` runs (two builds, one
 validate), each as its own process, as a user runs them; the best of two complete runs (one in
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 LIMIT_RATIO = 5.0
+LIMITS = {("qwen2", "gemma3"): 3.0}  # pairs with their own limit (issue 21); the others: LIMIT_RATIO
 
 
 def _floor_seconds(student: str, teacher: str) -> tuple[float, float]:
@@ -54,7 +56,7 @@ def _timed(cmd: list[str]) -> dict:
     return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
-PAIRS = (("llama-bpe", "qwen2"), ("llama-spm", "gemma3"), ("smollm2", "gemma3"))
+PAIRS = (("llama-bpe", "qwen2"), ("qwen2", "gemma3"), ("llama-spm", "gemma3"), ("smollm2", "gemma3"))
 
 
 def _measure_pair(student: str, teacher: str, rounds: int) -> tuple[dict, float]:
@@ -95,7 +97,8 @@ def run(quick: bool = False) -> dict:
         pair_metrics, ratio = _measure_pair(student, teacher, rounds=1 if quick else 2)
         suffix = "" if index == 0 else f"[{student}-{teacher}]"
         metrics.update({f"{name}{suffix}": value for name, value in pair_metrics.items()})
-        checks[f"make_tables_vs_floor{suffix}"] = {"value": ratio, "limit": LIMIT_RATIO, "ok": ratio <= LIMIT_RATIO}
+        limit = LIMITS.get((student, teacher), LIMIT_RATIO)
+        checks[f"make_tables_vs_floor{suffix}"] = {"value": ratio, "limit": limit, "ok": ratio <= limit}
     return {"name": "tables", "metrics": metrics, "checks": checks}
 
 

@@ -15,7 +15,10 @@ often the observed next token is among them. `pooled_block` encodes every kind's
 block (what a large shard's 64k-position blocks see: LZMA warmed up) for the scale sheet. A real
 `TeacherRunner(top_p=0.99)` run on the first kind must write the same bytes as its `p0.99` file.
 
-    python bench/bench_teacher_store.py [--quick] [--json FILE]
+`--teacher gemma3-270m` runs the Gemma 3 270M teacher (262,144 ids; aligned for its own tokenizer)
+instead; `--chars N` keeps the first N characters of each kind (default 16,000; 2,000 in quick mode).
+
+    python bench/bench_teacher_store.py [--quick] [--teacher NAME] [--chars N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 TEACHER = "smollm2-135m-instruct"
+TEACHER_TOKENIZERS = {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3"}  # model fixture -> its tokenizer
 STORED_K = 128
 SETTINGS = {"top-128": (128, None), "top-64": (64, None), "top-32": (32, None), "p0.99": (128, 0.99),
             "p0.95": (128, 0.95), "p0.90": (128, 0.90), "p0.99k64": (64, 0.99)}
@@ -85,27 +89,51 @@ def _pooled_block(all_results, all_rows, top_k: int, top_p: float | None) -> flo
     return len(payload) / stats["positions"]
 
 
-def run(quick: bool = False) -> dict:
+def _align(tmp: Path, quick: bool, teacher_tokenizer: str, chars: int | None) -> tuple[Path, list[str]]:
+    """The kinds of text aligned as `bench_teacher` aligns them (gpt-2 student, 1024-token windows, one
+    shard per kind), for `teacher_tokenizer`, each kind cut to `chars` characters when given."""
+    from bench.bench_teacher import WINDOW, _sources
+    from csd_pipeline.align.config import AlignConfig
+    from csd_pipeline.align.stage import run_align
+
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    files = []
+    for index, (name, body) in enumerate(_sources(quick, None).items()):
+        path = corpus / f"{index}-{name}.txt"
+        path.write_text(body if chars is None else body[:chars], encoding="utf-8")
+        files.append(str(path))
+    out = tmp / "aligned"
+    run_align(AlignConfig(corpus=files, student_tokenizer="gpt-2", teacher_tokenizers=[teacher_tokenizer], output=str(out),
+                          max_student_tokens=WINDOW, max_teacher_tokens=[WINDOW], shard_bytes=1), rank=0, world_size=1)
+    return out, files
+
+
+def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None) -> dict:
     """Bytes per position per kind and setting; returns {"name", "metrics", "checks"}."""
     import torch
 
-    from bench.bench_teacher import _align
     from csd_pipeline.align.output import AlignedOutput
-    from csd_pipeline.fixtures.names import model_path
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.fixtures.names import model_path, tokenizer_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.config import TeacherLogitsConfig
     from csd_pipeline.teacher.runner import TeacherRunner
     from csd_pipeline.teacher.shard_writer import write_teacher_shard
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
 
+    if teacher not in TEACHER_TOKENIZERS:
+        raise CsdError(f"--teacher {teacher}: not a fixture teacher; pass one of {', '.join(TEACHER_TOKENIZERS)}")
+    vocab_limit = load_tokenizer(str(tokenizer_path(TEACHER_TOKENIZERS[teacher]))).vocab.size
     block = TeacherLogitsConfig.block_positions
     metrics: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-teacher-store-") as tmp_name:
         tmp = Path(tmp_name)
-        aligned_dir, files = _align(tmp, quick, None)
+        aligned_dir, files = _align(tmp, quick, TEACHER_TOKENIZERS[teacher], chars)
         kinds = [Path(name).stem.split("-", 1)[1] for name in files]
         aligned = AlignedOutput.open(aligned_dir)
-        loaded = load_causal_lm(str(model_path(TEACHER)), device="cpu")
-        runner = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=49152, batch_tokens=8192)
+        loaded = load_causal_lm(str(model_path(teacher)), device="cpu")
+        runner = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192)
         totals = {name: [0, 0] for name in SETTINGS}
         all_rows, all_results, coverage_rows = [], [], {name: [] for name in SETTINGS}
         began = time.perf_counter()
@@ -127,7 +155,7 @@ def run(quick: bool = False) -> dict:
                 metrics[f"{kind}/{name}/entries_mean"] = round(coverage["entries_mean"], 2)
             metrics[f"{kind}/positions"] = sum(len(r) for r in rows)
             if index == 0:  # the real runner with --top-p writes what the replay wrote
-                real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=49152, batch_tokens=8192, top_p=0.99)
+                real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192, top_p=0.99)
                 write_teacher_shard(real, row_ids, rows, tmp / "real-p0.99.parquet", block)
                 same = (tmp / "real-p0.99.parquet").read_bytes() == (tmp / "p0.99-0.parquet").read_bytes()
         seconds = time.perf_counter() - began
@@ -139,6 +167,7 @@ def run(quick: bool = False) -> dict:
             for key in ("entries_mean", "one_entry_share", "at_cap_share", "stored_mass_mean", "observed_stored_share"):
                 weighted = sum(n * c[key] for n, c in coverage_rows[name]) / positions
                 metrics[f"all/{name}/{key}"] = round(weighted, 4)
+        metrics["teacher"] = teacher
         metrics["positions"] = totals["top-128"][1]
         metrics["teacher_and_encode_seconds"] = round(seconds, 1)
         metrics["torch_threads"] = torch.get_num_threads()
@@ -147,7 +176,11 @@ def run(quick: bool = False) -> dict:
 
 
 if __name__ == "__main__":
-    result = run(quick="--quick" in sys.argv)
+    def _option(flag: str, default):
+        return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
+
+    chars = _option("--chars", None)
+    result = run(quick="--quick" in sys.argv, teacher=_option("--teacher", TEACHER), chars=None if chars is None else int(chars))
     text = json.dumps(result, indent=2, sort_keys=True)
     if "--json" in sys.argv:
         target = Path(sys.argv[sys.argv.index("--json") + 1])

@@ -386,6 +386,10 @@ def validate_tables(
             for i in ids.tolist():
                 if vocab.token_bytes[i] != bundle.vocab.token_bytes[i] or vocab.flags[i] != bundle.vocab.flags[i]:
                     raise CsdError(f"table {label}: the bytes of {side} token {i} differ from the tokenizer's; rebuild the table")
+            if vocab._spellings is None and vocab.token_bytes == bundle.vocab.token_bytes and np.array_equal(
+                vocab.flags, bundle.vocab.flags
+            ):  # the same bytes and flags: the same spelling classes, computed once per tokenizer
+                vocab._spellings = bundle.vocab.spellings()
         _check_prefix_sample(label, table, src.vocab, dst.vocab, rng, sample)
         report[label] = table.counts()
     return report

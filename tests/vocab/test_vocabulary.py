@@ -236,3 +236,43 @@ def test_fingerprint_is_stable_and_distinct():
     a = bundle("qwen2").vocab.fingerprint
     assert load_tokenizer(str(tokenizer_path("qwen2"))).vocab.fingerprint == a
     assert len({bundle(n).vocab.fingerprint for n in FIXTURE_TOKENIZERS}) == len(FIXTURE_TOKENIZERS)
+
+
+def _round_trip_flags_directly(loaded) -> np.ndarray:
+    """Whether each non-special added token fails to round-trip through the whole tokenizer (the reference)."""
+    tokenizer = loaded.tokenizer
+    failed = np.zeros(loaded.vocab.size, dtype=bool)
+    for i, token in tokenizer.get_added_tokens_decoder().items():
+        if not token.special:
+            ok = tokenizer.encode(token.content, add_special_tokens=False).ids == [i]
+            failed[i] = not (ok and tokenizer.decode([i], skip_special_tokens=False) == token.content)
+    return failed
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3+added"])
+def test_added_token_round_trips_match_the_whole_tokenizer(name, tmp_path):
+    """`load_tokenizer` checks added tokens on a small twin of the tokenizer (no merges); the untrusted
+    flags must be those of the whole tokenizer. gemma3+added: two more non-special added tokens, one
+    that round-trips and one that does not ("x\u2581y" decodes to "x y")."""
+    from csd_pipeline.vocab.families import FLAG_UNTRUSTED
+
+    if name == "gemma3":
+        loaded = load_tokenizer("gemma3")
+        extra = []
+    else:
+        spec = json.loads((tokenizer_path("gemma3") / "tokenizer.json").read_text(encoding="utf-8"))
+        size = 1 + max(max(spec["model"]["vocab"].values()), max(t["id"] for t in spec["added_tokens"]))
+        extra = [size, size + 1]
+        for i, content in zip(extra, ["<my_tag>", "x\u2581y"]):
+            spec["added_tokens"].append({"id": i, "content": content, "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": False})
+            spec["model"]["vocab"][content] = i
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+        loaded = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert loaded.vocab.needs_round_trip
+    untrusted = loaded.vocab.flags & FLAG_UNTRUSTED != 0
+    added = sorted(i for i, t in loaded.tokenizer.get_added_tokens_decoder().items() if not t.special)
+    assert len(added) >= 100
+    assert untrusted[added].tolist() == _round_trip_flags_directly(loaded)[added].tolist()
+    if extra:
+        assert untrusted[extra].tolist() == [False, True]
