@@ -1,20 +1,22 @@
 """The generate stage: the student writes completions for a prompt corpus, in resumable shards.
 
-`GenerateStage(config)` reads the prompts (the corpus readers of the align stage, field
-`--prompt-field`, optionally cut to a prefix of `--prompt-chars`), loads the student's tokenizer and
-declares what the shared executor (`runtime.executor.run_stage`) needs:
+`GenerateStage(config)` reads the prompts (the corpus readers of the align stage: text mode, field
+`--prompt-field`, optionally cut to a prefix of `--prompt-chars`; chat mode, whole chat records whose
+final assistant turn is written, `chat_prompts.py`), loads the student's tokenizer and declares what
+the shared executor (`runtime.executor.run_stage`) needs:
 
 - identity: the config's sampling settings, the student's fingerprint, the corpus fingerprints;
 - plan: the prompts in corpus order, `--prompts-per-shard` per shard (the prompts travel in the
   plan, so a re-run resumes the same shards);
 - shard writer: `GenerateShardWriter`, which loads the student once per process and writes one JSON
-  line per sample: {"prompt", "completion", "source", "record_index", "sample", "finish",
-  "completion_tokens"[, "reference"]}.
+  line per sample: text mode {"prompt", "completion", "source", "record_index", "sample", "finish",
+  "completion_tokens"[, "reference"]}; chat mode the prompt record with the written turn and a
+  `generated` field (`chat_prompts.written_record`).
 
 A shard's bytes depend only on its prompts and the config: samples are generated in fixed groups of
 `--batch-size` within the shard, each with a seed derived from (seed, source, record index, sample).
 The output folder is a corpus: `csd-pipeline align --corpus DIR` reads its shards in manifest order,
-as prompt/completion records (`align/prompt_completion.py`).
+as prompt/completion records (`align/prompt_completion.py`), or with `--mode chat` as chat records.
 """
 
 from __future__ import annotations
