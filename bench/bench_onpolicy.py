@@ -7,10 +7,11 @@
 Start: `--base` (an export that already writes text), else a student trained like the demo (demo/run.py:
 student config, tables, align, teacher top-128, CSD recipe) for `--base-steps` steps. Prompts: the first
 200 characters (cut at whitespace) of the demo's training documents; held-out prompts: those of the
-held-out documents. Arms, both from the base, both `--rounds x --steps` csd-train steps (reverse KL):
+held-out documents. Arms, both from the base, both `--rounds x --steps` csd-train steps:
 
-- off-policy: one aligned set of {prompt, completion = the reference continuation, cut to about the
-  on-policy completions' length}, trained for rounds x steps steps;
+- off-policy: one aligned set of {prompt, completion = the reference continuation, cut to rounds x the
+  mean length of round 1's on-policy completions (about the teacher tokens of all rounds)}, trained for
+  rounds x steps steps;
 - on-policy: `csd-pipeline rounds` (the student's own samples, fresh each round).
 
 Reported per arm (and the base) on held-out prompts, samples at temperature 1: the teacher's bits per
@@ -18,6 +19,11 @@ byte of the student's completions (teacher forward on prompt + completion, compl
 distinct word 2-grams / all 2-grams of the samples, and held-out bits per byte of the student on the
 reference text (demo/corpus/devil-heldout.jsonl). Teacher tokens scored by teacher-logits are reported
 per arm.
+
+Divergence (`--divergence`, both arms): `kl` by default. With `reverse_kl`, a chunk whose stored teacher
+events carry all the teacher's mass (REST rounds to 0) makes KL(P_S||P_T) infinite wherever the student
+has REST mass, and csd-train skips the step: in a 5-step trial every off-policy step (reference text)
+was skipped, no on-policy step. Each run's skipped steps are reported (`skipped_steps`).
 
 Seeds (`--seeds 0,1,2`): each seed trains both arms again from the same base (csd-train --seed, and the
 on-policy sampling seed); the held-out samples are drawn with one fixed seed. The summary gives, per arm
@@ -103,7 +109,7 @@ def off_policy(folder: Path, base: Path, prompts: Path, args, seed: int, complet
               "--top-k", "32", "--output", str(folder / "teacher"), "--quiet"], "off_data")
         _run([py, "-m", "trainer.main", "--aligned", str(folder / "aligned"), "--teacher-logits", str(folder / "teacher"),
               "--student", str(base), "--output", str(folder / "train"), "--steps", str(args.rounds * args.steps),
-              "--loss", "csd", "--divergence", "reverse_kl", "--seq-len", str(WINDOW), "--seed", str(seed),
+              "--loss", "csd", "--divergence", args.divergence, "--seq-len", str(WINDOW), "--seed", str(seed),
               "--save-every", "0", *TRAIN_ARGS_ROUNDS], "off_train")
         TIMER.train_run(folder / "train", "off_train")
     return folder / "train" / "export", _teacher_tokens(folder / "aligned")
@@ -189,6 +195,7 @@ def run_seed(out: Path, base: Path, train_prompts: Path, args, seed: int) -> dic
             student=str(base), teacher=TEACHER, teacher_tokenizer=TEACHER_TOKENIZER, prompts=[str(train_prompts)],
             output=str(folder / "on-policy"), rounds=args.rounds, steps=args.steps, prompt_field="text",
             prompt_chars=PROMPT_CHARS, max_new_tokens=args.max_new_tokens, seed=seed, max_student_tokens=WINDOW,
+            divergence=args.divergence,
             train_args=[" ".join(TRAIN_ARGS_ROUNDS)], device="cpu"))
     for r in range(1, args.rounds + 1):
         TIMER.train_run(folder / "on-policy" / f"round-{r}" / "train", "on_policy")
@@ -196,8 +203,20 @@ def run_seed(out: Path, base: Path, train_prompts: Path, args, seed: int) -> dic
     generated = folder / "on-policy" / "round-1" / "generated"
     chars = [len(json.loads(line)["completion"]) for shard in sorted(generated.glob("part-*.jsonl"))
              for line in shard.open(encoding="utf-8")]
-    off = off_policy(folder / "off-policy", base, train_prompts, args, seed, max(1, sum(chars) // max(len(chars), 1)))
-    return {"on_policy": (on_export, on_tokens), "off_policy": off}
+    mean_chars = max(1, sum(chars) // max(len(chars), 1))
+    off = off_policy(folder / "off-policy", base, train_prompts, args, seed, args.rounds * mean_chars)
+    return {"on_policy": (on_export, on_tokens, [folder / "on-policy" / f"round-{r}" / "train"
+                                                  for r in range(1, args.rounds + 1)]),
+            "off_policy": (*off, [folder / "off-policy" / "train"])}
+
+
+def skipped_steps(trains: list[Path]) -> int:
+    """Steps csd-train skipped for a non-finite loss (its `nonfinite_skipped` counter, summed over runs)."""
+    total = 0
+    for folder in trains:
+        steps = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+        total += max((m.get("nonfinite_skipped", 0) for m in steps), default=0)
+    return total
 
 
 FIGURES = ("teacher_bits_per_byte_of_samples", "distinct_2grams", "heldout_bits_per_byte")
@@ -251,7 +270,8 @@ def summarize(runs: list[dict]) -> dict:
             "diversity_within_2pct": on["distinct_2grams"]["mean"] >= 0.98 * off["distinct_2grams"]["mean"],
             "heldout_bits_per_byte_within_2pct": on["heldout_bits_per_byte"]["mean"]
             <= 1.02 * off["heldout_bits_per_byte"]["mean"]}
-    return {"seeds": seeds, "arms": arms, "on_minus_off": diffs, "goal": goal,
+    skipped = {arm: sum(r.get("skipped_steps", 0) for r in runs if r["arm"] == arm) for arm in ("on_policy", "off_policy")}
+    return {"seeds": seeds, "arms": arms, "on_minus_off": diffs, "goal": goal, "skipped_steps": skipped,
             "note": "one seed: no spread, the bar is not tested" if len(seeds) < 2 else ""}
 
 
@@ -303,6 +323,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--heldout-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--divergence", default="kl", choices=("kl", "reverse_kl", "jsd"),
+                        help="CSD divergence of both arms (reverse_kl: see the module docstring)")
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds, e.g. 0,1,2")
     parser.add_argument("--results", default="bench-results/onpolicy.json", help="where the JSON report also goes")
     args = parser.parse_args(argv)
@@ -325,9 +347,12 @@ def main(argv: list[str]) -> int:
     runs = [{"arm": "base", "seed": None, **evaluate(base, heldout_prompts, out / "eval" / "base", out, args, teacher)}]
     print("base", json.dumps(runs[-1]), flush=True)
     for seed, pair in arms.items():
-        for arm, (export, tokens) in pair.items():
+        for arm, (export, tokens, trains) in pair.items():
             figures = evaluate(export, heldout_prompts, out / f"seed-{seed}" / "eval" / arm, out, args, teacher)
-            runs.append({"arm": arm, "seed": seed, "teacher_tokens": tokens, **figures})
+            skipped = skipped_steps(trains)
+            if skipped:
+                print(f"warning: {arm} seed {seed}: csd-train skipped {skipped} steps for a non-finite loss", flush=True)
+            runs.append({"arm": arm, "seed": seed, "teacher_tokens": tokens, "skipped_steps": skipped, **figures})
             print(arm, seed, json.dumps(runs[-1]), flush=True)
     report = {"settings": vars(args) | {"seeds": seeds}, "runs": runs, "summary": summarize(runs),
               "seconds": time.perf_counter() - started, "phases": TIMER.record()}
