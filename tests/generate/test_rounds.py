@@ -43,7 +43,8 @@ def test_two_rounds_keep_their_outputs_chain_the_students_and_resume(tmp_path, f
         assert (folder / "train" / "export" / "config.json").is_file()
         assert (folder / "train" / "export" / "model.safetensors").is_file()
         metrics = [json.loads(x) for x in (folder / "train" / "metrics.jsonl").read_text().splitlines()]
-        assert max(m.get("step", 0) for m in metrics) == 2
+        steps = [m for m in metrics if "step" in m]
+        assert [m["step"] for m in steps] == [1, 2] and not any(m["skipped"] for m in steps)  # trained, not skipped
     assert sum(line.startswith("$ csd-train") for line in lines) == 2
     round2_train = [x for x in lines if x.startswith("$ csd-train") and "round-2" in x][0]
     assert "--student " + str(out / "round-1" / "train" / "export") in round2_train
