@@ -286,7 +286,7 @@ def estimate(timer: Timer, settings: dict) -> dict:
     machine's load scales everything."""
     train, seconds = timer.train, timer.seconds
     rate = {k: v["step_seconds"] / max(v["steps"], 1) for k, v in train.items()}
-    step = rate.get("on_policy") or rate.get("off_policy") or 0.0
+    step = rate.get("on_policy") or rate.get("off_train") or 0.0
     runs = [(seconds[k] - v["step_seconds"]) / v["runs"] for k, v in train.items()
             if k in ("off_train", "base_train") and k in seconds]
     startup = max(0.0, min(runs)) if runs else 0.0  # a csd-train run's wall beyond its steps
@@ -305,7 +305,7 @@ def estimate(timer: Timer, settings: dict) -> dict:
         model_eval = evaluation * max(1.0, eval_scale)
         per_seed = (FULL["rounds"] * (round_data * max(1.0, data_scale) + startup + FULL["steps"] * rate.get("on_policy", step))
                     + off_data * max(1.0, data_scale) + startup
-                    + FULL["rounds"] * FULL["steps"] * rate.get("off_policy", step) + 2 * model_eval)
+                    + FULL["rounds"] * FULL["steps"] * rate.get("off_train", step) + 2 * model_eval)
         for seeds in (1, 3):
             out[f"{label}_minutes_{seeds}_seed{'s' if seeds > 1 else ''}"] = (base + model_eval + seeds * per_seed) / 60
     if "base_data" not in seconds:
