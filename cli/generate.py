@@ -17,6 +17,8 @@ from csd_pipeline.generate.config import GenerateConfig
 @config_option(GenerateConfig, "model")
 @config_option(GenerateConfig, "corpus", "--corpus", type=click.Path())
 @config_option(GenerateConfig, "output", type=click.Path(file_okay=False))
+@config_option(GenerateConfig, "mode")
+@config_option(GenerateConfig, "chat_template", type=click.Path(dir_okay=False))
 @config_option(GenerateConfig, "prompt_field")
 @config_option(GenerateConfig, "prompt_chars")
 @config_option(GenerateConfig, "max_new_tokens")

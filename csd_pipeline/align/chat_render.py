@@ -145,10 +145,23 @@ class ChatSide:
             regions.append(region)
         return RenderedChat(real_text, ids, regions, eot, {k: tuple(v) for k, v in fields.items()})
 
+    def render_generation_prompt(self, messages: list, tools) -> tuple[str, np.ndarray]:
+        """(text, ids) of the conversation `messages` rendered up to the assistant turn the model is to write
+        (`add_generation_prompt`), tokenized as `render` tokenizes: special tokens only from the template's
+        text, message strings never parsed. The messages must be checked (`record_messages` of the record
+        with its final assistant message); raises `ChatRefusal`."""
+        real_text, spans, _ = self._render_messages(messages, tools, add_generation_prompt=True)
+        ids, _, _ = self._tokenize(real_text, [(s, e) for _, s, e in spans], [])
+        return real_text, ids
+
     def _render_strings(self, record: dict) -> tuple[str, list[tuple[int, int, int]], list[tuple[int, str]], int]:
         """(the rendering, [(string index, start, end)] of every rendered message string, the (message, field)
         of each string index, the index of the final message); raises `ChatRefusal`."""
         messages, tools = record_messages(record)
+        return (*self._render_messages(messages, tools), len(messages) - 1)
+
+    def _render_messages(self, messages: list, tools, add_generation_prompt: bool = False):
+        """(the rendering, [(string index, start, end)], the (message, field) of each string index)."""
         if self.native_reasoning:
             messages = [split_inline_thinking(m) for m in messages]
         strings: dict[tuple[int, str], str] = {}
@@ -164,13 +177,14 @@ class ChatSide:
                     message[key] = sentinel(len(strings) - 1)
             masked.append(with_reasoning_aliases(message))
         self._check_outside_content(masked, tools)
+        real = [with_reasoning_aliases(m) for m in messages]
         try:
-            sentinel_text = self.template.render(masked, tools, self.variables)
-            real_text = self.template.render([with_reasoning_aliases(m) for m in messages], tools, self.variables)
+            sentinel_text = self.template.render(masked, tools, self.variables, add_generation_prompt)
+            real_text = self.template.render(real, tools, self.variables, add_generation_prompt)
         except TemplateRenderError:
             raise ChatRefusal("template_error") from None
         keys = list(strings)
-        return real_text, string_layout(sentinel_text, real_text, [strings[k] for k in keys]), keys, len(messages) - 1
+        return real_text, string_layout(sentinel_text, real_text, [strings[k] for k in keys]), keys
 
     def _check_outside_content(self, messages: list, tools) -> None:
         """Strings the template renders as its own text (roles, tool definitions and calls) may not hold a

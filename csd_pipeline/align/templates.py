@@ -2,7 +2,8 @@
 
 Rendering follows transformers' `apply_chat_template`: a sandboxed jinja2 environment with
 `trim_blocks`/`lstrip_blocks`, `raise_exception`, the `tojson` filter, `{% generation %}` blocks and
-`loopcontrols`; `add_generation_prompt=False`. One difference: `strftime_now` is pinned to
+`loopcontrols`; `add_generation_prompt=False` for whole conversations (align), True for the prompt
+of a turn to write (generate). One difference: `strftime_now` is pinned to
 `TEMPLATE_DATE`, so that a template that prints today's date (Llama 3) renders the same every day.
 """
 
@@ -40,14 +41,15 @@ class ChatTemplate:
         self.sha256 = bytes_sha256(json.dumps(named, sort_keys=True).encode("utf-8"))
         self._compiled = {name: _compile(text, origin) for name, text in named.items()}
 
-    def render(self, messages: list, tools, variables: dict) -> str:
-        """Render a whole conversation (add_generation_prompt=False); raises `TemplateRenderError`."""
+    def render(self, messages: list, tools, variables: dict, add_generation_prompt: bool = False) -> str:
+        """Render a conversation: a whole one (align), or with `add_generation_prompt` the history up to the
+        assistant turn the model is to write (generate); raises `TemplateRenderError`."""
         import jinja2
 
         template = self._compiled["tool_use" if tools and "tool_use" in self._compiled else "default"]
         try:
-            return template.render(messages=messages, tools=tools, documents=None, add_generation_prompt=False,
-                                   **variables)
+            return template.render(messages=messages, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **variables)
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError, IndexError):
             raise TemplateRenderError(self.origin) from None
 

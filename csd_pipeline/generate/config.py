@@ -12,6 +12,7 @@ from csd_pipeline.runtime.model_loading import DTYPES
 from csd_pipeline.runtime.options import option
 
 BACKENDS = ("transformers",)
+MODES = ("text", "chat")
 
 
 @dataclass
@@ -22,6 +23,10 @@ class GenerateConfig:
     corpus: list[str] = option(help="Prompts: a .jsonl/.json/.parquet/.txt file or a folder of them (read like "
                                     "`csd-pipeline align --corpus`); repeatable.")
     output: str = option(help="Output directory (resumable); `csd-pipeline align --corpus DIR` reads it.")
+    mode: str = option("text", "text: a prompt is a text field, the sample continues it; chat: a prompt is a chat "
+                               "record whose final assistant turn the student writes (docs/ONPOLICY.md).", choices=MODES)
+    chat_template: str | None = option(None, "Chat mode: the student's template (.jinja, tokenizer_config.json or GGUF; "
+                                             "default: the tokenizer's own), as `align --student-chat-template`.")
     prompt_field: str = option("prompt", "The record field that holds the prompt (`text` for plain documents).")
     prompt_chars: int = option(0, "When > 0: the prompt is the document's first N characters, cut back to the last "
                                   "whitespace; the rest is kept as the record's `reference`.")
@@ -49,5 +54,11 @@ class GenerateConfig:
             raise CsdError(f"--top-p {self.top_p} is out of range; pass a value in (0, 1].")
         if self.prompt_chars < 0:
             raise CsdError(f"--prompt-chars {self.prompt_chars} is negative; pass 0 (the whole field) or more.")
+        if self.mode not in MODES:
+            raise CsdError(f"--mode {self.mode!r} is unknown; use one of {', '.join(MODES)}.")
+        if self.mode == "chat" and self.prompt_chars:
+            raise CsdError("--prompt-chars cuts text prompts; chat prompts are whole records: drop it or use --mode text.")
+        if self.mode == "text" and self.chat_template is not None:
+            raise CsdError("--chat-template is for chat prompts; add --mode chat or drop it.")
         if self.backend not in BACKENDS:
             raise CsdError(f"--backend {self.backend!r} is unknown; use one of {', '.join(BACKENDS)}.")
