@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.loss.csd import REVERSE_KL_TEACHER_REST_FLOOR
 
 
 @dataclass
@@ -156,16 +157,17 @@ class ReferenceChunk:
     chain_s: Any  # student chain probability (0-dim tensor)
     final_s: Any  # [K] student final-token class probabilities
 
-    def distributions(self, teacher_temperature: float = 1.0):
+    def distributions(self, teacher_temperature: float = 1.0, teacher_rest_floor: float = 0.0):
         """(P_T, P_S): q(k) = chain x final(k) for the K events, then REST = 1 - sum.
 
         teacher_temperature T: P_T becomes P_T^(1/T) / sum(P_T^(1/T)) (REST included).
+        teacher_rest_floor: the teacher's REST is at least this (reverse KL's floor).
         """
         import torch
 
         q_t = self.chain_t * self.final_t
         q_s = self.chain_s * self.final_s
-        p_t = torch.cat([q_t, torch.clamp(1 - q_t.sum(), min=0).reshape(1)])
+        p_t = torch.cat([q_t, torch.clamp(1 - q_t.sum(), min=teacher_rest_floor).reshape(1)])
         p_s = torch.cat([q_s, torch.clamp(1 - q_s.sum(), min=0).reshape(1)])
         if teacher_temperature != 1.0:
             p_t = p_t ** (1.0 / teacher_temperature)
@@ -329,7 +331,8 @@ def reference_loss(
             for chunk in reference_chunk_distributions(
                 probs_row, row, i, t_row, student_vocab, teacher.vocab, spelling=spelling, only_1to1=only_1to1
             ):
-                d = _divergence(*chunk.distributions(teacher_temperature), divergence)
+                floor = REVERSE_KL_TEACHER_REST_FLOOR if divergence == "reverse_kl" else 0.0
+                d = _divergence(*chunk.distributions(teacher_temperature, floor), divergence)
                 total = total + (d if chunk.shape == "1:1" else beta * d)
                 count += 1
         denom = count if global_chunk_counts is None else global_chunk_counts[i]

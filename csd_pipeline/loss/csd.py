@@ -36,6 +36,11 @@ if TYPE_CHECKING:  # pragma: no cover
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 DEFAULT_DIVERGENCE = "jsd"  # the paper's
 DEFAULT_BETA = 5.0  # the paper's weight of the non-1:1 chunks in the KD term
+# Reverse KL's floor on the teacher's REST mass. A stored top-k whose events add up to 1 after
+# rounding leaves the teacher a REST of exactly 0, and KL(P_S || P_T) is then infinite for any
+# student with REST mass. The stored rows cannot rule out mass outside them, so the floor keeps the
+# term finite (at most -log 1e-6 = 13.8 nats per unit of student REST); kl and jsd need no floor.
+REVERSE_KL_TEACHER_REST_FLOOR = 1e-6
 
 
 def check_divergence(divergence: str) -> None:
@@ -130,7 +135,8 @@ def csd_divergence(
     chain_logprobs [Gc] / final_logprobs [Gf]: student log-probs gathered at
     (events.chain_pos, events.chain_tok) and (events.final_pos, events.final_tok); `events` must be
     on the same device (`BatchEvents.to`). log q_S(event) = sum of its chunk's chain log-probs +
-    logsumexp of its final gathers; REST = 1 - sum of events (both sides). Weighted by 1 for 1:1
+    logsumexp of its final gathers; REST = 1 - sum of events (both sides; under reverse KL the
+    teacher's REST is at least REVERSE_KL_TEACHER_REST_FLOOR). Weighted by 1 for 1:1
     chunks and `beta` otherwise. `teacher_temperature` T (default 1: the paper's) softens the
     teacher's chunk distribution, events and REST together: P_T(e)^(1/T), renormalised over the
     chunk. Returns a KdTerm. Raises CsdError for an unknown divergence or a temperature that is not positive.
@@ -157,6 +163,8 @@ def csd_divergence(
     log_mass_t = segment_logsumexp(log_qt, chunk_of_event, n_chunks)
     log_rest_s = log1mexp(log_mass_s)
     log_rest_t = log1mexp(log_mass_t)
+    if divergence == "reverse_kl":
+        log_rest_t = torch.clamp_min(log_rest_t, math.log(REVERSE_KL_TEACHER_REST_FLOOR))
     entry_chunk = torch.cat([chunk_of_event, torch.arange(n_chunks, device=device)])
     log_pt = torch.cat([log_qt, log_rest_t])
     if teacher_temperature != 1.0:
