@@ -61,6 +61,32 @@ def template_path(fixtures_dir):
 
 
 # ---------------------------------------------------------------------------------------------
+# `csd-pipeline` run in this process (faster than a subprocess; the same click code path).
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli(argv)` -> (exit code, stdout, stderr) of `csd-pipeline ARGV` run in this process."""
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        from cli.main import main
+
+        capsys.readouterr()
+        try:
+            main([str(a) for a in argv])
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------- end of in-process CLI section
+
+
+# ---------------------------------------------------------------------------------------------
 # csd-train (trainer/): inputs built by tests/trainer_cases.py.
 
 
@@ -78,6 +104,17 @@ def trainer_teacher(trainer_data, tmp_path_factory):
     from tests.trainer_cases import make_teacher_topk
 
     return make_teacher_topk(trainer_data["train_short"], tmp_path_factory.mktemp("trainer-teacher") / "topk")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's training runs (the machine is shared; also keeps float reductions in one order)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------------- end of csd-train section
