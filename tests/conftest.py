@@ -118,3 +118,26 @@ def one_thread():
 
 
 # --------------------------------------------------------------------------------------------- end of csd-train section
+
+
+# ---------------------------------------------------------------------------------------------
+# Small random models with real tokenizers, built once per session (several modules use each).
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory, tokenizer_path):
+    """A random 2-layer Llama teacher with the smollm2 tokenizer (`tests.teacher.test_stage.make_tiny_teacher`)."""
+    from tests.teacher.test_stage import make_tiny_teacher
+
+    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_student(tmp_path_factory, fixtures_dir):
+    """A random 2-layer Llama student with the llama-spm tokenizer (`tests.onpolicy_cases.tiny_student`)."""
+    from tests.onpolicy_cases import tiny_student as make_tiny_student
+
+    return make_tiny_student(tmp_path_factory.mktemp("tiny-student") / "student")
+
+
+# --------------------------------------------------------------------------------------------- end of small models section

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from csd_pipeline.align.chat_mode import ChatAligner
 from csd_pipeline.align.chat_records import ChatOptions, ChatRefusal
 from csd_pipeline.align.chat_render import ChatSide
-from csd_pipeline.align.templates import load_chat_template
-from csd_pipeline.align.chat_mode import ChatAligner
 from csd_pipeline.align.corpus import Document
+from csd_pipeline.align.templates import load_chat_template
 from csd_pipeline.errors import CsdError
 from schemas.aligned import ChunkStatus
 

@@ -173,7 +173,8 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, small_corpus, tables_for
     assert tree(out) == tree(one_worker_run)
 
 
-def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, tables_for, one_worker_run):
+def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, tables_for, one_worker_run,
+                                                         run_cli):
     from csd_pipeline.runtime.run_record import finalize, stage_status
 
     out = tmp_path / "ranks"
@@ -186,12 +187,11 @@ def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, 
     finally:
         del os.environ["RANK"], os.environ["WORLD_SIZE"]
     (out / "manifest.json").unlink()
-    missing = subprocess.run([sys.executable, "-m", "cli.main", "status", str(out), "--json"], capture_output=True,
-                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
-    assert json.loads(missing.stdout)["complete"] is False and json.loads(missing.stdout)["missing"] == []
-    done = subprocess.run([sys.executable, "-m", "cli.main", "status", str(out), "--finalize"], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
-    assert done.returncode == 0 and "complete (manifest written)" in done.stdout
+    # in this process (test_cli_as_a_new_user_runs_it runs `status` as a subprocess)
+    _, missing, _ = run_cli(["status", str(out), "--json"])
+    assert json.loads(missing)["complete"] is False and json.loads(missing)["missing"] == []
+    code, done, _ = run_cli(["status", str(out), "--finalize"])
+    assert code == 0 and "complete (manifest written)" in done
     (out / "manifest.json").unlink()
     assert finalize(out, log=lambda m: None) is not None
     single = read_manifest(one_worker_run)["shards"]

@@ -11,17 +11,9 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A random 1-layer Llama over the llama-spm vocabulary, saved as an HF folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("bpb") / "model"
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+def tiny_model(tiny_student):
+    """A random 2-layer Llama over the llama-spm vocabulary, saved as an HF folder (conftest `tiny_student`)."""
+    return tiny_student
 
 
 def brute_force_bits_per_byte(model_dir, aligned) -> tuple[float, int]:

@@ -30,13 +30,6 @@ FLIPS = 24
 
 
 @pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory, tokenizer_path):
-    from tests.teacher.test_stage import make_tiny_teacher
-
-    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
-
-
-@pytest.fixture(scope="module")
 def pipeline(trainer_data, tiny_teacher, tmp_path_factory):
     """{"aligned", "teacher"}: the devil slice aligned (llama-spm / smollm2) and its tiny-teacher top-k (k=8)."""
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits

@@ -100,11 +100,6 @@ def make_tiny_teacher(folder: Path, tokenizer_dir: Path, *, poison: int | None =
     return folder
 
 
-@pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory, tokenizer_path) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
-
-
 def run_stage(aligned_dir, teacher, output, **options):
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
 
