@@ -57,6 +57,22 @@ def template_path(fixtures_dir):
     return fixtures.template_path
 
 
+@pytest.fixture(scope="session")
+def tables_for(tokenizer_path):
+    """`tables_for(student, teacher)` -> (s2t, t2s) table paths of two fixture tokenizers.
+
+    Building a pair takes seconds, so tables are cached next to the fixtures
+    (`tests.csd_cases.cached_table_file`).
+    """
+    from tests.csd_cases import bundle, cached_table_file
+
+    def get(student: str, teacher: str) -> tuple[str, str]:
+        s, t = bundle(tokenizer_path, student), bundle(tokenizer_path, teacher)
+        return cached_table_file(s, t), cached_table_file(t, s)
+
+    return get
+
+
 # --------------------------------------------------------------------------------------------- end of fixtures section
 
 

@@ -102,9 +102,9 @@ def bundle(tokenizer_path, name: str):
     return _BUNDLES[name]
 
 
-def cached_table(source, destination):
-    """The (source -> destination) table, cached next to the fixtures (the align tests' scheme:
-    keyed by both fingerprints and the source of the modules that build tables)."""
+def cached_table_file(source, destination) -> str:
+    """The path of the (source -> destination) table, built once and cached next to the fixtures, keyed by
+    both fingerprints and the source of the modules that build tables (any change rebuilds)."""
     import hashlib
     import os
     from pathlib import Path
@@ -113,7 +113,7 @@ def cached_table(source, destination):
     import csd_pipeline.vocab.tables
     import csd_pipeline.vocab.vocabulary
     from csd_pipeline.fixtures.names import fixture_dir
-    from csd_pipeline.vocab.tables import build_table, load_table
+    from csd_pipeline.vocab.tables import build_table
 
     modules = (csd_pipeline.vocab.families, csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)
     code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules))
@@ -122,12 +122,17 @@ def cached_table(source, destination):
     key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
     path = folder / f"{key.hexdigest()[:24]}.safetensors"
     if not path.is_file():
-        table = build_table(source, destination)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        table.save(tmp)
+        build_table(source, destination).save(tmp)
         os.replace(tmp, path)
-        return table
-    return load_table(path)
+    return str(path)
+
+
+def cached_table(source, destination):
+    """The (source -> destination) table, loaded from the cache (`cached_table_file`)."""
+    from csd_pipeline.vocab.tables import load_table
+
+    return load_table(cached_table_file(source, destination))
 
 
 def event_context(tokenizer_path, student: str, teacher: str):

@@ -376,14 +376,16 @@ def test_drop_first_assistant_chunk():
 
 
 @pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    """`csd-pipeline align --mode chat` over the FAQ slice and the awkward records (qwen2 <- smollm2)."""
+def chat_dir(tmp_path_factory, tables_for):
+    """`csd-pipeline align --mode chat` over the FAQ slice and the awkward records (qwen2 <- smollm2; the
+    tables from the test cache)."""
     from cli.main import main
 
     out = tmp_path_factory.mktemp("chat") / "aligned"
     try:
         main(["align", "--mode", "chat", "--corpus", str(FAQ), "--corpus", str(AWKWARD), "--student-tokenizer",
-              "qwen2", "--teacher-tokenizer", "smollm2", "--output", str(out), "--quiet"])
+              "qwen2", "--teacher-tokenizer", "smollm2", "--output", str(out), "--quiet",
+              "--tables", *tables_for("qwen2", "smollm2")])
     except SystemExit as exit_:
         assert exit_.code == 0
     return out

@@ -31,40 +31,6 @@ load_bundle = functools.cache(load_tokenizer)  # each tokenizer loaded once per 
 
 
 @pytest.fixture(scope="session")
-def tables_for(tokenizer_path):
-    """`tables_for(student, teacher)` -> (s2t, t2s) table paths.
-
-    Building a pair takes seconds, so tables are cached next to the fixtures, keyed by the
-    tokenizers' fingerprints and the source of the modules that build them (any change rebuilds).
-    """
-    import csd_pipeline.vocab.families
-    import csd_pipeline.vocab.tables
-    import csd_pipeline.vocab.vocabulary
-    from csd_pipeline.fixtures.names import fixture_dir
-    from csd_pipeline.vocab.tables import build_table
-
-    modules = (csd_pipeline.vocab.families, csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules))
-    folder = fixture_dir() / "test-cache" / "tables"
-    folder.mkdir(parents=True, exist_ok=True)
-
-    def get(student: str, teacher: str) -> tuple[str, str]:
-        s, t = load_bundle(str(tokenizer_path(student))), load_bundle(str(tokenizer_path(teacher)))
-        paths = []
-        for source, destination in ((s, t), (t, s)):
-            key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
-            path = folder / f"{key.hexdigest()[:24]}.safetensors"
-            if not path.is_file():
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                build_table(source, destination).save(tmp)
-                os.replace(tmp, path)
-            paths.append(str(path))
-        return paths[0], paths[1]
-
-    return get
-
-
-@pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
     """The first ~48 KB of the python-docs slice, one document per blank-line block."""
     folder = tmp_path_factory.mktemp("corpus")
