@@ -57,7 +57,49 @@ def template_path(fixtures_dir):
     return fixtures.template_path
 
 
+@pytest.fixture(scope="session")
+def tables_for(tokenizer_path):
+    """`tables_for(student, teacher)` -> (s2t, t2s) table paths of two fixture tokenizers.
+
+    Building a pair takes seconds, so tables are cached next to the fixtures
+    (`tests.csd_cases.cached_table_file`).
+    """
+    from tests.csd_cases import bundle, cached_table_file
+
+    def get(student: str, teacher: str) -> tuple[str, str]:
+        s, t = bundle(tokenizer_path, student), bundle(tokenizer_path, teacher)
+        return cached_table_file(s, t), cached_table_file(t, s)
+
+    return get
+
+
 # --------------------------------------------------------------------------------------------- end of fixtures section
+
+
+# ---------------------------------------------------------------------------------------------
+# `csd-pipeline` run in this process (faster than a subprocess; the same click code path).
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli(argv)` -> (exit code, stdout, stderr) of `csd-pipeline ARGV` run in this process."""
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        from cli.main import main
+
+        capsys.readouterr()
+        try:
+            main([str(a) for a in argv])
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------- end of in-process CLI section
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,4 +122,38 @@ def trainer_teacher(trainer_data, tmp_path_factory):
     return make_teacher_topk(trainer_data["train_short"], tmp_path_factory.mktemp("trainer-teacher") / "topk")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's training runs (the machine is shared; also keeps float reductions in one order)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------------------------- end of csd-train section
+
+
+# ---------------------------------------------------------------------------------------------
+# Small random models with real tokenizers, built once per session (several modules use each).
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory, tokenizer_path):
+    """A random 2-layer Llama teacher with the smollm2 tokenizer (`tests.teacher.test_stage.make_tiny_teacher`)."""
+    from tests.teacher.test_stage import make_tiny_teacher
+
+    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_student(tmp_path_factory, fixtures_dir):
+    """A random 2-layer Llama student with the llama-spm tokenizer (`tests.onpolicy_cases.tiny_student`)."""
+    from tests.onpolicy_cases import tiny_student as make_tiny_student
+
+    return make_tiny_student(tmp_path_factory.mktemp("tiny-student") / "student")
+
+
+# --------------------------------------------------------------------------------------------- end of small models section

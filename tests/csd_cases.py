@@ -90,6 +90,7 @@ def row_shapes(row: dict, teacher_index: int = 0) -> list[str]:
 
 _BUNDLES: dict = {}
 _CONTEXTS: dict = {}
+_REFERENCE_VOCABS: dict = {}
 
 
 def bundle(tokenizer_path, name: str):
@@ -101,9 +102,9 @@ def bundle(tokenizer_path, name: str):
     return _BUNDLES[name]
 
 
-def cached_table(source, destination):
-    """The (source -> destination) table, cached next to the fixtures (the align tests' scheme:
-    keyed by both fingerprints and the source of the modules that build tables)."""
+def cached_table_file(source, destination) -> str:
+    """The path of the (source -> destination) table, built once and cached next to the fixtures, keyed by
+    both fingerprints and the source of the modules that build tables (any change rebuilds)."""
     import hashlib
     import os
     from pathlib import Path
@@ -112,7 +113,7 @@ def cached_table(source, destination):
     import csd_pipeline.vocab.tables
     import csd_pipeline.vocab.vocabulary
     from csd_pipeline.fixtures.names import fixture_dir
-    from csd_pipeline.vocab.tables import build_table, load_table
+    from csd_pipeline.vocab.tables import build_table
 
     modules = (csd_pipeline.vocab.families, csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)
     code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules))
@@ -121,12 +122,17 @@ def cached_table(source, destination):
     key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
     path = folder / f"{key.hexdigest()[:24]}.safetensors"
     if not path.is_file():
-        table = build_table(source, destination)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        table.save(tmp)
+        build_table(source, destination).save(tmp)
         os.replace(tmp, path)
-        return table
-    return load_table(path)
+    return str(path)
+
+
+def cached_table(source, destination):
+    """The (source -> destination) table, loaded from the cache (`cached_table_file`)."""
+    from csd_pipeline.vocab.tables import load_table
+
+    return load_table(cached_table_file(source, destination))
 
 
 def event_context(tokenizer_path, student: str, teacher: str):
@@ -159,3 +165,43 @@ def topk_from_dense(row: dict, dense: np.ndarray, k: int, teacher_index: int = 0
         "logprobs": np.take_along_axis(dense, ids, axis=1),
         "observed_logprob": observed,
     }
+
+
+def reference_vocab(bundle):
+    """The float64 reference's `ReferenceVocab` of a bundle, built once per session (spelling classes too)."""
+    from tests.loss_reference import ReferenceVocab
+
+    key = bundle.vocab.fingerprint
+    if key not in _REFERENCE_VOCABS:
+        _REFERENCE_VOCABS[key] = ReferenceVocab.from_vocabulary(bundle.vocab)
+    return _REFERENCE_VOCABS[key]
+
+
+def as_float(x) -> float:
+    """A Python float of a number or a one-element tensor."""
+    return float(x.detach()) if hasattr(x, "detach") else float(x)
+
+
+def close(a, b, tol: float = 1e-10) -> bool:
+    """|a - b| <= tol x max(1, |b|): the loss tests' agreement with the float64 reference."""
+    return abs(as_float(a) - as_float(b)) <= tol * max(1.0, abs(as_float(b)))
+
+
+class PairCase:
+    """Real aligned rows of one tokenizer pair (texts of tests/data/csd-loss-texts.jsonl by index), a random
+    float64 student LM head [V, hidden] and the reference vocabularies; `generator` continues the draws."""
+
+    def __init__(self, tokenizer_path, student: str, teacher: str, text_ids, hidden: int, seed: int = 0):
+        from pathlib import Path
+
+        import torch
+
+        self.s, self.t, self.ctx = event_context(tokenizer_path, student, teacher)
+        texts = load_texts(Path(__file__).resolve().parent / "data" / "csd-loss-texts.jsonl")
+        self.rows = [aligned_row(texts[i]["text"], self.s, self.t, f"csd-loss-texts:{i}") for i in text_ids]
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weight = torch.randn(self.s.vocab.size, hidden, generator=self.generator, dtype=torch.float64)
+        self.s_ref, self.t_ref = reference_vocab(self.s), reference_vocab(self.t)
+
+    def offsets(self, rows):
+        return np.cumsum([0] + [len(r["student_ids"]) for r in rows])[:-1]

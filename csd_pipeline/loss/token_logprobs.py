@@ -57,87 +57,92 @@ def _chunk_logits(hidden_rows, weight, acc_dtype):
     return logits if logits.dtype == acc_dtype else logits.to(acc_dtype)
 
 
+def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, keep_bytes):
+    """Forward of `ChunkedTokenLogprobs`: the gathered log-probabilities, one position chunk at a time."""
+    import torch
+
+    acc = _accumulation_dtype(hidden.dtype)
+    order, unique_pos, row_of_request, tok_sorted, bounds = _request_layout(positions, tokens, chunk_size)
+    lse = torch.empty(unique_pos.numel(), dtype=acc, device=hidden.device)
+    out_sorted = torch.empty(positions.numel(), dtype=acc, device=hidden.device)
+    kept, budget = {}, keep_bytes
+    for index, (a, b, lo, hi) in enumerate(bounds):
+        logits = _chunk_logits(hidden[unique_pos[a:b]], weight, acc)
+        rows = row_of_request[lo:hi] - a
+        picked = logits[rows, tok_sorted[lo:hi]]
+        # logsumexp in place (no second [chunk, V] tensor): e = exp(logits - row max), lse = max + log sum e
+        peak = logits.amax(dim=-1)
+        total = logits.sub_(peak[:, None]).exp_().sum(dim=-1)
+        lse_c = peak + total.log()
+        lse[a:b] = lse_c
+        out_sorted[lo:hi] = picked - lse_c[rows]
+        size = logits.numel() * logits.element_size()
+        if size <= budget:  # the first chunks that fit: the backward starts with them and frees them
+            kept[index], budget = (logits, total), budget - size
+        del logits
+    out = torch.empty_like(out_sorted)
+    out[order] = out_sorted
+    ctx.save_for_backward(hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse)
+    ctx.bounds = bounds
+    ctx.kept = kept
+    return out
+
+
+def _chunked_backward(ctx, grad_out):
+    """Backward of `ChunkedTokenLogprobs`: gradients for hidden and weight, chunk by chunk."""
+    import torch
+
+    hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse = ctx.saved_tensors
+    acc = lse.dtype
+    need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g_sorted = grad_out.to(acc)[order]
+    g_row = torch.zeros(unique_pos.numel(), dtype=acc, device=hidden.device)
+    g_row.index_add_(0, row_of_request, g_sorted)
+    grad_h_rows = (
+        torch.empty(unique_pos.numel(), hidden.shape[1], dtype=acc, device=hidden.device) if need_h else None
+    )
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    for index, (a, b, lo, hi) in enumerate(ctx.bounds):
+        h_c = hidden[unique_pos[a:b]]
+        # d logits = scatter(g) - softmax * sum(g per position), built in place (in the kept
+        # logits of this chunk when the forward kept them, else in recomputed ones).
+        kept = ctx.kept.pop(index, None)
+        if kept is None:
+            d = _chunk_logits(h_c, weight, acc)
+            d.sub_(lse[a:b, None]).exp_().mul_(-g_row[a:b, None])
+        else:  # exp(logits - row max) and its row sums, from the forward: softmax = e / sum
+            d, total = kept
+            d.mul_((-g_row[a:b] / total)[:, None])
+        rows = row_of_request[lo:hi] - a
+        d.index_put_((rows, tok_sorted[lo:hi]), g_sorted[lo:hi], accumulate=True)
+        d_mm = d if d.dtype == weight.dtype else d.to(weight.dtype)
+        del d
+        if need_h:
+            grad_h_rows[a:b] = (d_mm @ weight).to(acc)
+        if need_w:
+            if d_mm.dtype == acc:
+                grad_w.addmm_(d_mm.T, h_c)  # in place: no [V, H] temporary per chunk
+            else:
+                grad_w += (d_mm.T @ h_c).to(acc)
+        del d_mm
+    grad_hidden = None
+    if need_h:
+        grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
+        grad_hidden.index_add_(0, unique_pos, grad_h_rows)
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    if need_w:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_hidden, grad_w, None, None, None, None
+
+
 def _make_chunked_function():
     import torch
 
     class ChunkedTokenLogprobs(torch.autograd.Function):
         """log softmax(h W^T) gathered at (position, token) pairs, chunked over positions."""
 
-        @staticmethod
-        def forward(ctx, hidden, weight, positions, tokens, chunk_size, keep_bytes):
-            acc = _accumulation_dtype(hidden.dtype)
-            order, unique_pos, row_of_request, tok_sorted, bounds = _request_layout(
-                positions, tokens, chunk_size
-            )
-            lse = torch.empty(unique_pos.numel(), dtype=acc, device=hidden.device)
-            out_sorted = torch.empty(positions.numel(), dtype=acc, device=hidden.device)
-            kept, budget = {}, keep_bytes
-            for index, (a, b, lo, hi) in enumerate(bounds):
-                logits = _chunk_logits(hidden[unique_pos[a:b]], weight, acc)
-                rows = row_of_request[lo:hi] - a
-                picked = logits[rows, tok_sorted[lo:hi]]
-                # logsumexp in place (no second [chunk, V] tensor): e = exp(logits - row max), lse = max + log sum e
-                peak = logits.amax(dim=-1)
-                total = logits.sub_(peak[:, None]).exp_().sum(dim=-1)
-                lse_c = peak + total.log()
-                lse[a:b] = lse_c
-                out_sorted[lo:hi] = picked - lse_c[rows]
-                size = logits.numel() * logits.element_size()
-                if size <= budget:  # the first chunks that fit: the backward starts with them and frees them
-                    kept[index], budget = (logits, total), budget - size
-                del logits
-            out = torch.empty_like(out_sorted)
-            out[order] = out_sorted
-            ctx.save_for_backward(hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse)
-            ctx.bounds = bounds
-            ctx.kept = kept
-            return out
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse = ctx.saved_tensors
-            acc = lse.dtype
-            need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-            g_sorted = grad_out.to(acc)[order]
-            g_row = torch.zeros(unique_pos.numel(), dtype=acc, device=hidden.device)
-            g_row.index_add_(0, row_of_request, g_sorted)
-            grad_h_rows = (
-                torch.empty(unique_pos.numel(), hidden.shape[1], dtype=acc, device=hidden.device)
-                if need_h
-                else None
-            )
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-            for index, (a, b, lo, hi) in enumerate(ctx.bounds):
-                h_c = hidden[unique_pos[a:b]]
-                # d logits = scatter(g) - softmax * sum(g per position), built in place (in the kept
-                # logits of this chunk when the forward kept them, else in recomputed ones).
-                kept = ctx.kept.pop(index, None)
-                if kept is None:
-                    d = _chunk_logits(h_c, weight, acc)
-                    d.sub_(lse[a:b, None]).exp_().mul_(-g_row[a:b, None])
-                else:  # exp(logits - row max) and its row sums, from the forward: softmax = e / sum
-                    d, total = kept
-                    d.mul_((-g_row[a:b] / total)[:, None])
-                rows = row_of_request[lo:hi] - a
-                d.index_put_((rows, tok_sorted[lo:hi]), g_sorted[lo:hi], accumulate=True)
-                d_mm = d if d.dtype == weight.dtype else d.to(weight.dtype)
-                del d
-                if need_h:
-                    grad_h_rows[a:b] = (d_mm @ weight).to(acc)
-                if need_w:
-                    if d_mm.dtype == acc:
-                        grad_w.addmm_(d_mm.T, h_c)  # in place: no [V, H] temporary per chunk
-                    else:
-                        grad_w += (d_mm.T @ h_c).to(acc)
-                del d_mm
-            grad_hidden = None
-            if need_h:
-                grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-                grad_hidden.index_add_(0, unique_pos, grad_h_rows)
-                grad_hidden = grad_hidden.to(hidden.dtype)
-            if need_w:
-                grad_w = grad_w.to(weight.dtype)
-            return grad_hidden, grad_w, None, None, None, None
+        forward = staticmethod(_chunked_forward)
+        backward = staticmethod(_chunked_backward)
 
     return ChunkedTokenLogprobs
 

@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from csd_pipeline.align.chat_mode import ChatAligner
 from csd_pipeline.align.chat_records import ChatOptions, ChatRefusal
 from csd_pipeline.align.chat_render import ChatSide
-from csd_pipeline.align.templates import load_chat_template
-from csd_pipeline.align.chat_mode import ChatAligner
 from csd_pipeline.align.corpus import Document
+from csd_pipeline.align.templates import load_chat_template
 from csd_pipeline.errors import CsdError
 from schemas.aligned import ChunkStatus
 
@@ -375,36 +375,26 @@ def test_drop_first_assistant_chunk():
 # The stage, as a user runs it
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    from cli.main import main
-
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory):
-    """`csd-pipeline align --mode chat` over the FAQ slice and the awkward records (qwen2 <- smollm2)."""
+def chat_dir(tmp_path_factory, tables_for):
+    """`csd-pipeline align --mode chat` over the FAQ slice and the awkward records (qwen2 <- smollm2; the
+    tables from the test cache)."""
     from cli.main import main
 
     out = tmp_path_factory.mktemp("chat") / "aligned"
     try:
         main(["align", "--mode", "chat", "--corpus", str(FAQ), "--corpus", str(AWKWARD), "--student-tokenizer",
-              "qwen2", "--teacher-tokenizer", "smollm2", "--output", str(out), "--quiet"])
+              "qwen2", "--teacher-tokenizer", "smollm2", "--output", str(out), "--quiet",
+              "--tables", *tables_for("qwen2", "smollm2")])
     except SystemExit as exit_:
         assert exit_.code == 0
     return out
 
 
-def test_align_chat_cli_and_inspect(chat_dir, capsys):
+def test_align_chat_cli_and_inspect(chat_dir, run_cli):
     import pyarrow.parquet as pq
 
-    code, out, err = run_cli(["inspect", str(chat_dir), "--json"], capsys)
+    code, out, err = run_cli(["inspect", str(chat_dir), "--json"])
     assert code == 0 and not err
     report = json.loads(out)
     assert report["rows"] == 30 + 6
@@ -423,7 +413,7 @@ def test_align_chat_cli_and_inspect(chat_dir, capsys):
         check_accepted_chunks(row, "qwen2", "smollm2")
     manifest = json.loads((chat_dir / "manifest.json").read_text())
     assert manifest["config"]["mode"] == "chat" and manifest["config"]["chat"]["templates"]["teachers"][0]["sha256"]
-    code, out, _ = run_cli(["inspect", str(chat_dir)], capsys)
+    code, out, _ = run_cli(["inspect", str(chat_dir)])
     assert code == 0 and "supervised_student_tokens_per_row" in out
 
 
@@ -436,9 +426,9 @@ def test_align_chat_cli_and_inspect(chat_dir, capsys):
     (["--mode", "chat", "--teacher-chat-template", "a.jinja", "--teacher-chat-template", "b.jinja"], "given 2 times"),
     (["--mode", "chat", "--student-chat-template", "missing.jinja"], "no such file"),
 ])
-def test_align_chat_cli_refuses_unsupported_combinations(extra, message, tmp_path, capsys):
+def test_align_chat_cli_refuses_unsupported_combinations(extra, message, tmp_path, run_cli):
     code, out, err = run_cli(["align", "--corpus", str(FAQ), "--student-tokenizer", "qwen2", "--teacher-tokenizer",
-                              "smollm2", "--output", str(tmp_path / "out"), *extra], capsys)
+                              "smollm2", "--output", str(tmp_path / "out"), *extra])
     assert code == 2 and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out").exists()
@@ -489,7 +479,7 @@ def test_end_of_turn_chunk_is_one_explicit_event(chat_dir):
 
 
 @pytest.mark.slow
-def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
+def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, run_cli):
     """align (chat) -> teacher-logits (SmolLM2) -> csd-train: CE only on the mask, KD only on the region."""
     from csd_pipeline.loss.events import ce_targets
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
@@ -504,7 +494,7 @@ def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, capsys):
                             "--teacher-tokenizer", "smollm2", "--output", str(aligned), "--max-student-tokens", "256",
                             "--tables", *(str(chat_dir / "tables/teacher0" / name) for name in
                                           ("student_to_teacher.safetensors", "teacher_to_student.safetensors")),
-                            "--quiet"], capsys)
+                            "--quiet"])
     assert code == 0, err
     run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher=str(model_path("smollm2-135m-instruct")),
                                            output=str(topk), top_k=8, device="cpu"))
@@ -550,7 +540,7 @@ def test_two_teachers_each_with_its_own_template():
 
 
 @pytest.mark.slow
-def test_chat_shards_do_not_depend_on_workers(chat_dir, tmp_path, capsys):
+def test_chat_shards_do_not_depend_on_workers(chat_dir, tmp_path, run_cli):
     import hashlib
 
     tables = [str(chat_dir / "tables/teacher0" / n) for n in ("student_to_teacher.safetensors",
@@ -560,7 +550,7 @@ def test_chat_shards_do_not_depend_on_workers(chat_dir, tmp_path, capsys):
         out = tmp_path / f"w{workers}"
         code, _, err = run_cli(["align", "--mode", "chat", "--corpus", str(FAQ), "--student-tokenizer", "qwen2",
                                 "--teacher-tokenizer", "smollm2", "--output", str(out), "--shard-mb", "0.01",
-                                "--tables", *tables, "--workers", workers, "--quiet"], capsys)
+                                "--tables", *tables, "--workers", workers, "--quiet"])
         assert code == 0, err
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["totals"]["shards"] > 2

@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.align import test_stage as test_align_stage
-from tests.align.test_stage import rows_of, tree
 from tests.align.test_corpus import reference_blocks
 from tests.align.test_corpus_formats import blocks, build_hub_cache, devil_records, gz, write_jsonl, zst
+from tests.align.test_stage import rows_of, tree
 
 REPO = Path(__file__).resolve().parents[2]
-tables_for = test_align_stage.tables_for  # the session fixture: (s2t, t2s) tables, cached
 
 
 @pytest.fixture(scope="module")

@@ -31,40 +31,6 @@ load_bundle = functools.cache(load_tokenizer)  # each tokenizer loaded once per 
 
 
 @pytest.fixture(scope="session")
-def tables_for(tokenizer_path):
-    """`tables_for(student, teacher)` -> (s2t, t2s) table paths.
-
-    Building a pair takes seconds, so tables are cached next to the fixtures, keyed by the
-    tokenizers' fingerprints and the source of the modules that build them (any change rebuilds).
-    """
-    import csd_pipeline.vocab.families
-    import csd_pipeline.vocab.tables
-    import csd_pipeline.vocab.vocabulary
-    from csd_pipeline.fixtures.names import fixture_dir
-    from csd_pipeline.vocab.tables import build_table
-
-    modules = (csd_pipeline.vocab.families, csd_pipeline.vocab.tables, csd_pipeline.vocab.vocabulary)
-    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules))
-    folder = fixture_dir() / "test-cache" / "tables"
-    folder.mkdir(parents=True, exist_ok=True)
-
-    def get(student: str, teacher: str) -> tuple[str, str]:
-        s, t = load_bundle(str(tokenizer_path(student))), load_bundle(str(tokenizer_path(teacher)))
-        paths = []
-        for source, destination in ((s, t), (t, s)):
-            key = hashlib.sha256(code.digest() + source.vocab.fingerprint.encode() + destination.vocab.fingerprint.encode())
-            path = folder / f"{key.hexdigest()[:24]}.safetensors"
-            if not path.is_file():
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                build_table(source, destination).save(tmp)
-                os.replace(tmp, path)
-            paths.append(str(path))
-        return paths[0], paths[1]
-
-    return get
-
-
-@pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory):
     """The first ~48 KB of the python-docs slice, one document per blank-line block."""
     folder = tmp_path_factory.mktemp("corpus")
@@ -173,7 +139,8 @@ def test_killed_run_resumes_to_the_same_bytes(tmp_path, small_corpus, tables_for
     assert tree(out) == tree(one_worker_run)
 
 
-def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, tables_for, one_worker_run):
+def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, tables_for, one_worker_run,
+                                                         run_cli):
     from csd_pipeline.runtime.run_record import finalize, stage_status
 
     out = tmp_path / "ranks"
@@ -186,12 +153,11 @@ def test_ranks_split_the_work_and_any_rank_can_finalize(tmp_path, small_corpus, 
     finally:
         del os.environ["RANK"], os.environ["WORLD_SIZE"]
     (out / "manifest.json").unlink()
-    missing = subprocess.run([sys.executable, "-m", "cli.main", "status", str(out), "--json"], capture_output=True,
-                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
-    assert json.loads(missing.stdout)["complete"] is False and json.loads(missing.stdout)["missing"] == []
-    done = subprocess.run([sys.executable, "-m", "cli.main", "status", str(out), "--finalize"], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
-    assert done.returncode == 0 and "complete (manifest written)" in done.stdout
+    # in this process (test_cli_as_a_new_user_runs_it runs `status` as a subprocess)
+    _, missing, _ = run_cli(["status", str(out), "--json"])
+    assert json.loads(missing)["complete"] is False and json.loads(missing)["missing"] == []
+    code, done, _ = run_cli(["status", str(out), "--finalize"])
+    assert code == 0 and "complete (manifest written)" in done
     (out / "manifest.json").unlink()
     assert finalize(out, log=lambda m: None) is not None
     single = read_manifest(one_worker_run)["shards"]

@@ -10,30 +10,10 @@ import pytest
 import torch
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    from cli.main import main
-
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A random 1-layer Llama over the llama-spm vocabulary, saved as an HF folder."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=True)
-    folder = tmp_path_factory.mktemp("bpb") / "model"
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+def tiny_model(tiny_student):
+    """A random 2-layer Llama over the llama-spm vocabulary, saved as an HF folder (conftest `tiny_student`)."""
+    return tiny_student
 
 
 def brute_force_bits_per_byte(model_dir, aligned) -> tuple[float, int]:
@@ -54,10 +34,10 @@ def brute_force_bits_per_byte(model_dir, aligned) -> tuple[float, int]:
     return nats / n_bytes / math.log(2), n_bytes
 
 
-def test_cli_matches_a_brute_force_count(trainer_data, tiny_model, capsys):
+def test_cli_matches_a_brute_force_count(trainer_data, tiny_model, run_cli):
     aligned = trainer_data["eval"]
     code, out, err = run_cli(["bits-per-byte", "--aligned", str(aligned), "--model", str(tiny_model),
-                              "--seq-len", "128", "--batch-size", "2", "--device", "cpu", "--json"], capsys)
+                              "--seq-len", "128", "--batch-size", "2", "--device", "cpu", "--json"])
     assert code == 0, err
     result = json.loads(out)
     expected, n_bytes = brute_force_bits_per_byte(tiny_model, aligned)
@@ -71,16 +51,16 @@ def test_cli_matches_a_brute_force_count(trainer_data, tiny_model, capsys):
     (["--side", "teacher"], "--side teacher"),
     (["--side", "teacher3"], "teacher"),   # a teacher index the folder does not have
 ])
-def test_wrong_arguments_are_one_error_line(trainer_data, tiny_model, capsys, extra, fragment):
+def test_wrong_arguments_are_one_error_line(trainer_data, tiny_model, run_cli, extra, fragment):
     code, out, err = run_cli(["bits-per-byte", "--aligned", str(trainer_data["eval"]), "--model", str(tiny_model),
-                              "--seq-len", "128", "--device", "cpu", *extra], capsys)
+                              "--seq-len", "128", "--device", "cpu", *extra])
     assert code != 0 and out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], err
 
 
-def test_a_folder_that_is_not_an_aligned_output_is_refused(tmp_path, tiny_model, capsys):
+def test_a_folder_that_is_not_an_aligned_output_is_refused(tmp_path, tiny_model, run_cli):
     code, out, err = run_cli(["bits-per-byte", "--aligned", str(tmp_path), "--model", str(tiny_model),
-                              "--device", "cpu"], capsys)
+                              "--device", "cpu"])
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1 and lines[0].startswith("error:") and str(tmp_path) in lines[0], err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,12 @@ from csd_pipeline.generate.backend import sample_seed
 from csd_pipeline.generate.config import GenerateConfig
 from csd_pipeline.generate.stage import completion_text, run_generate
 from csd_pipeline.runtime.manifest import read_manifest
-from tests.onpolicy_cases import REPO, prompt_corpus, tiny_student
+from tests.onpolicy_cases import REPO, prompt_corpus
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, fixtures_dir):
-    root = tmp_path_factory.mktemp("generate")
-    return tiny_student(root / "student"), prompt_corpus(root / "prompts.jsonl", documents=5)
+def inputs(tmp_path_factory, tiny_student):
+    return tiny_student, prompt_corpus(tmp_path_factory.mktemp("generate") / "prompts.jsonl", documents=5)
 
 
 def _config(inputs, output, **overrides) -> GenerateConfig:
@@ -33,13 +33,21 @@ def _config(inputs, output, **overrides) -> GenerateConfig:
     return GenerateConfig(**(values | overrides))
 
 
+@pytest.fixture(scope="module")
+def sampled(inputs, tmp_path_factory) -> Path:
+    """`run_generate` of `_config(inputs, ...)`: the output the tests below compare with and align."""
+    output = tmp_path_factory.mktemp("sampled") / "out"
+    run_generate(_config(inputs, output))
+    return output
+
+
 def _shards(output: Path) -> list[bytes]:
     manifest = read_manifest(output, stage="generate")
     return [(output / shard["file"]).read_bytes() for shard in manifest["shards"]]
 
 
-def test_rerun_and_ranks_give_the_same_bytes(inputs, tmp_path):
-    run_generate(_config(inputs, tmp_path / "a"))
+def test_rerun_and_ranks_give_the_same_bytes(inputs, sampled, tmp_path):
+    shutil.copytree(sampled, tmp_path / "a")
     first = _shards(tmp_path / "a")
     manifest = (tmp_path / "a" / "manifest.json").read_bytes()
     run_generate(_config(inputs, tmp_path / "a"))  # complete: nothing rewritten
@@ -59,17 +67,17 @@ def test_rerun_and_ranks_give_the_same_bytes(inputs, tmp_path):
 
 
 def test_a_sample_does_not_depend_on_its_batch(inputs, tmp_path):
-    """Batch size 1 and 3 draw the same tokens where the logits agree; greedy decoding must agree fully."""
-    run_generate(_config(inputs, tmp_path / "one", batch_size=1, temperature=0.0))
-    run_generate(_config(inputs, tmp_path / "three", batch_size=3, temperature=0.0))
+    """Batch size 1 and 3 draw the same tokens where the logits agree; greedy decoding must agree fully
+    (one sample per prompt: greedy samples of one prompt are the same, so a batch of 3 holds 3 prompts)."""
+    run_generate(_config(inputs, tmp_path / "one", batch_size=1, temperature=0.0, samples_per_prompt=1))
+    run_generate(_config(inputs, tmp_path / "three", batch_size=3, temperature=0.0, samples_per_prompt=1))
     strip = [[{k: v for k, v in json.loads(line).items()} for line in s.decode().splitlines()]
              for s in _shards(tmp_path / "one")]
     assert strip == [[json.loads(line) for line in s.decode().splitlines()] for s in _shards(tmp_path / "three")]
 
 
 @pytest.mark.slow
-def test_kill_and_resume_end_with_the_same_bytes(inputs, tmp_path):
-    run_generate(_config(inputs, tmp_path / "ref"))
+def test_kill_and_resume_end_with_the_same_bytes(inputs, sampled, tmp_path):
     student, prompts = inputs
     command = [sys.executable, "-m", "cli.main", "generate", "--model", str(student), "--corpus", str(prompts),
                "--output", str(tmp_path / "killed"), "--prompt-field", "text", "--prompt-chars", "100",
@@ -81,19 +89,18 @@ def test_kill_and_resume_end_with_the_same_bytes(inputs, tmp_path):
     env.pop("CSD_TEST_CRASH")
     resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
-    assert _shards(tmp_path / "killed") == _shards(tmp_path / "ref")
+    assert _shards(tmp_path / "killed") == _shards(sampled)
 
 
-def test_align_reads_the_output_and_trains_only_on_samples(inputs, tmp_path, tokenizer_path):
+def test_align_reads_the_output_and_trains_only_on_samples(inputs, sampled, tmp_path, tokenizer_path):
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.align.stage import run_align
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
-    run_generate(_config(inputs, tmp_path / "gen"))
-    run_align(AlignConfig(corpus=[str(tmp_path / "gen")], student_tokenizer=str(inputs[0]),
+    run_align(AlignConfig(corpus=[str(sampled)], student_tokenizer=str(inputs[0]),
                           teacher_tokenizers=["smollm2"], output=str(tmp_path / "aligned"), max_student_tokens=256))
-    records = [json.loads(line) for shard in _shards(tmp_path / "gen") for line in shard.decode().splitlines()]
+    records = [json.loads(line) for shard in _shards(sampled) for line in shard.decode().splitlines()]
     vocab = load_tokenizer(str(tokenizer_path("llama-spm"))).vocab
     import pyarrow.parquet as pq
 

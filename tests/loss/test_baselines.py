@@ -8,7 +8,7 @@ checked); teachers are random dense log-probs, stored as their top-16 like the t
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 
 import numpy as np
 import pytest
@@ -28,13 +28,12 @@ from csd_pipeline.loss.teacher_rows import (
 from tests.csd_cases import (
     ACCEPTED,
     MISMATCH,
-    aligned_row,
-    event_context,
-    load_texts,
+    PairCase,
+    as_float,
+    close,
     row_shapes,
     topk_from_dense,
 )
-from tests.loss_reference import ReferenceVocab
 from tests.loss_reference_baselines import (
     chunks_of,
     reference_baseline_loss,
@@ -42,23 +41,19 @@ from tests.loss_reference_baselines import (
     strict_teacher_classes,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 TOL = 1e-10
 TOP_K = 16
 HIDDEN = 16
 PAIRS = {"llama-spm/gpt-2": ("llama-spm", "gpt-2", [5, 7]), "llama-bpe/qwen2": ("llama-bpe", "qwen2", [1, 3])}
 
 
-class Case:
+class Case(PairCase):
     """Two real aligned rows of one tokenizer pair, a random student (h, W) and a random teacher's top-16."""
 
     def __init__(self, tokenizer_path, pair: str, seed: int = 0):
         student, teacher, text_ids = PAIRS[pair]
-        self.s, self.t, self.ctx = event_context(tokenizer_path, student, teacher)
-        texts = load_texts(DATA / "csd-loss-texts.jsonl")
-        self.rows = [aligned_row(texts[i]["text"], self.s, self.t, f"csd-loss-texts:{i}") for i in text_ids]
-        g = torch.Generator().manual_seed(seed)
-        self.weight = torch.randn(self.s.vocab.size, HIDDEN, generator=g, dtype=torch.float64)
+        super().__init__(tokenizer_path, student, teacher, text_ids, HIDDEN, seed)
+        g = self.generator
         self.hidden, self.tops = [], []
         for r in self.rows:
             s_ids = torch.as_tensor(r["student_ids"].astype(np.int64))
@@ -69,11 +64,6 @@ class Case:
             t = torch.randn(len(t_ids), self.t.vocab.size, generator=g, dtype=torch.float64) * 2.0
             t[torch.arange(len(t_ids) - 1), t_ids[1:]] += (torch.rand(len(t_ids) - 1, generator=g) < 0.7).double() * 12
             self.tops.append(topk_from_dense(r, torch.log_softmax(t, -1).numpy(), TOP_K))
-        self.s_ref = ReferenceVocab.from_vocabulary(self.s.vocab)
-        self.t_ref = ReferenceVocab.from_vocabulary(self.t.vocab)
-
-    def offsets(self, rows):
-        return np.cumsum([0] + [len(r["student_ids"]) for r in rows])[:-1]
 
     def chunk_rows(self, rows, tops, only_1to1=False):
         offsets = self.offsets(rows)
@@ -86,26 +76,10 @@ class Case:
                                for r, t in zip(rows, tops, strict=True)], self.offsets(rows))
 
 
-_CASES: dict = {}
-
-
 @pytest.fixture(scope="module")
 def case_of(tokenizer_path):
-    def get(pair):
-        if pair not in _CASES:
-            _CASES[pair] = Case(tokenizer_path, pair)
-        return _CASES[pair]
-
-    yield get
-    _CASES.clear()
-
-
-def _f(x) -> float:
-    return float(x.detach()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def _close(a, b, tol=TOL) -> bool:
-    return abs(_f(a) - _f(b)) <= tol * max(1.0, abs(_f(b)))
+    """`case_of(pair)`: the module's Case of a pair, built once."""
+    return functools.cache(lambda pair: Case(tokenizer_path, pair))
 
 
 COMBOS = [
@@ -118,9 +92,10 @@ COMBOS = [
     ("llama-spm/gpt-2", "strict", {"strict_top_k": 4, "strict_divergence": "kl"}),
     ("llama-bpe/qwen2", "strict", {"strict_top_k": 16, "strict_divergence": "jsd"}),
 ]
-# the 128k / 151k vocabularies of llama-bpe / qwen2 make their references slow; one GOLD variant is enough by default
+# the 128k / 151k vocabularies of llama-bpe / qwen2 make their references slow; the fast tier keeps one
+# variant of each kind (the plain one), the full tier all
 _PARAMS = [pytest.param(c, id=f"{c[0]}-{c[1]}-{'-'.join(f'{a}={b}' for a, b in c[2].items())}",
-                        marks=[pytest.mark.slow] if c[0] == "llama-bpe/qwen2" or c == COMBOS[3] else [])
+                        marks=[pytest.mark.slow] if c[0] == "llama-bpe/qwen2" or c in (COMBOS[3], COMBOS[6]) else [])
            for c in COMBOS]
 
 
@@ -145,8 +120,8 @@ def test_loss_and_gradient_match_reference(case_of, combo):
     else:
         assert all(batch.shape_counts())
     for name in ("loss", "ce", "kd"):
-        assert _close(getattr(out, name), ref[name]), (name, _f(getattr(out, name)), _f(ref[name]))
-    assert _f(ref["kd"]) > 1e-3
+        assert close(getattr(out, name), ref[name]), (name, as_float(getattr(out, name)), ref[name])
+    assert as_float(ref["kd"]) > 1e-3
     g_logits = torch.cat([x.grad for x in logits])
     for grad, expected in ((h.grad, g_logits @ case.weight), (w.grad, g_logits.T @ torch.cat(case.hidden))):
         assert float((grad - expected).abs().max()) <= TOL * max(1.0, float(expected.abs().max()))
@@ -162,8 +137,9 @@ def test_dense_logits_path_and_float32(case_of):
         chunked = baseline_loss(kind, hidden=h, weight=w, ce_positions=cp, ce_tokens=ct, teachers=[rows])
         dense = baseline_loss(kind, logits=h @ w.T, ce_positions=cp, ce_tokens=ct, teachers=[rows])
         single = baseline_loss(kind, hidden=h.float(), weight=w.float(), ce_positions=cp, ce_tokens=ct, teachers=[rows])
-        assert _close(chunked.kd, dense.kd) and _close(chunked.loss, dense.loss)
-        assert single.kd.dtype == torch.float32 and abs(_f(single.kd) - _f(dense.kd)) < 1e-4 * max(1, _f(dense.kd))
+        assert close(chunked.kd, dense.kd) and close(chunked.loss, dense.loss)
+        assert single.kd.dtype == torch.float32
+        assert abs(as_float(single.kd) - as_float(dense.kd)) < 1e-4 * max(1, as_float(dense.kd))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,7 +181,7 @@ def _both(case, rows, logits, kind, csd_divergence="kl", only_1to1=False, **opti
     base = baseline_loss(kind, logits=flat, ce_positions=cp, ce_tokens=ct, teachers=[rows_b], **options)
     csd = csd_loss(logits=flat, ce_positions=cp, ce_tokens=ct, teachers=[case.events(rows, case.tops, only_1to1)],
                    divergence=csd_divergence)
-    return _f(base.kd), _f(csd.kd)
+    return as_float(base.kd), as_float(csd.kd)
 
 
 def _observed_stored(row: dict, top: dict) -> dict:
@@ -356,7 +332,7 @@ def test_shuffled_teacher_changes_the_kd_term(case_of, kind):
         else:
             batch = case.chunk_rows(case.rows, tops)[0]
             out = baseline_loss("uld", logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch])
-        values.append((_f(out.ce), _f(out.kd)))
+        values.append((as_float(out.ce), as_float(out.kd)))
     assert values[0][0] == values[1][0] and abs(values[0][1] - values[1][1]) > 1e-2
 
 

@@ -20,8 +20,8 @@ import torch
 from csd_pipeline.errors import CsdError
 from tests.reliability.cases import run
 from trainer import checkpoint, checkpoint_guard
-from trainer.options import parse_args
 from trainer.loop import train
+from trainer.options import parse_args
 
 
 class PlantedCommand:
@@ -122,12 +122,24 @@ def test_old_checkpoint_without_a_hash_is_read_through_the_unpickler(trainer_dat
     assert not marker.exists()
 
 
-def test_the_cli_prints_one_error_line_and_runs_nothing(trainer_data, copy, tmp_path):
+@pytest.mark.parametrize("process", ["in-process", pytest.param("subprocess", marks=pytest.mark.slow)])
+def test_the_cli_prints_one_error_line_and_runs_nothing(trainer_data, copy, tmp_path, capsys, process):
+    """`csd-train` (`main` here, or `python -m trainer.main`) on a planted checkpoint: exit 2, one line."""
+    from trainer.main import main
+
     marker = tmp_path / "ran"
     plant(copy / "checkpoints" / "step-2", marker)
-    result = run("trainer.main", *args(trainer_data, copy, "--resume", "steps=3"))
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: checkpoint "), result.stderr
+    argv = args(trainer_data, copy, "--resume", "steps=3")
+    if process == "subprocess":
+        result = run("trainer.main", *argv)
+        code, stderr = result.returncode, result.stderr
+    else:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        code, stderr = exit_.value.code, capsys.readouterr().err
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: checkpoint "), stderr
     assert not marker.exists()
 
 

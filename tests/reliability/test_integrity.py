@@ -30,13 +30,6 @@ FLIPS = 24
 
 
 @pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory, tokenizer_path):
-    from tests.teacher.test_stage import make_tiny_teacher
-
-    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
-
-
-@pytest.fixture(scope="module")
 def pipeline(trainer_data, tiny_teacher, tmp_path_factory):
     """{"aligned", "teacher"}: the devil slice aligned (llama-spm / smollm2) and its tiny-teacher top-k (k=8)."""
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
@@ -332,14 +325,15 @@ def test_table_outside_the_output_is_refused(trainer_data, copy):
 
 
 @pytest.mark.parametrize("edit", ["corpus path", "shard name"])
-def test_align_run_record_naming_another_file_is_refused(tmp_path, edit):
+def test_align_run_record_naming_another_file_is_refused(tmp_path, edit, tables_for):
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.stage import run_align
     from tests.reliability.cases import CORPUS
 
     out = tmp_path / "aligned"
     options = dict(corpus=[str(CORPUS)], student_tokenizer="llama-spm", teacher_tokenizers=["smollm2"],
-                   output=str(out), max_student_tokens=128, split_on_blank_lines=True, shard_bytes=2000)
+                   output=str(out), max_student_tokens=128, split_on_blank_lines=True, shard_bytes=2000,
+                   tables=[tables_for("llama-spm", "smollm2")])
     run_align(AlignConfig(**options))
     record = json.loads((out / "run.json").read_text())
     os.unlink(out / "done" / f"{record['tasks'][0]['name']}.done")

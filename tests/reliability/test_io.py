@@ -48,7 +48,7 @@ def test_disk_full_while_copying_the_tables(reference, tmp_path):
         assert tree(out) == tree(reference)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])  # fast tier: one worker
 def test_disk_full_while_writing_shards(reference, tmp_path, workers):
     room = sum(pages(p.stat().st_size) for p in _table_files(reference)) + pages((reference / "run.json").stat().st_size)
     with tmpfs(tmp_path / "disk", "16m") as disk:

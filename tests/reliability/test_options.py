@@ -71,11 +71,12 @@ def test_fifo_as_corpus_is_refused_without_blocking(tmp_path, capsys):
         release.cancel()
 
 
-def test_corpus_whose_every_record_is_rejected(tmp_path, capsys):
+def test_corpus_whose_every_record_is_rejected(tmp_path, capsys, tables_for):
     corpus = tmp_path / "records.jsonl"
     corpus.write_text('{"body": "text under another field"}\n{"body": "and again"}\n', encoding="utf-8")
     outcome = cli(capsys, "align", "--corpus", corpus, "--student-tokenizer", "llama-spm", "--teacher-tokenizer",
-                  "smollm2", "--output", tmp_path / "out", "--quiet")
+                  "smollm2", "--output", tmp_path / "out", "--quiet",
+                  "--tables", *tables_for("llama-spm", "smollm2"))
     assert_refused(outcome, "holds 0 aligned rows", "missing_text_field: 2", "--text-field")
 
 

@@ -21,17 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def teacher_output(trainer_data, tmp_path_factory, tokenizer_path):
+def teacher_output(trainer_data, tmp_path_factory, tiny_teacher):
     """Top-8 of a tiny random Llama with SmolLM2's vocabulary on `train_short` (teacher 0)."""
     import torch
 
-    from tests.teacher.test_stage import make_tiny_teacher, run_stage
+    from tests.teacher.test_stage import run_stage
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
     out = tmp_path_factory.mktemp("teacher") / "topk"
-    run_stage(trainer_data["train_short"], model, out)
+    run_stage(trainer_data["train_short"], tiny_teacher, out)
     torch.set_num_threads(threads)
     return out
 

@@ -14,7 +14,6 @@ from csd_pipeline.align.output import AlignedOutput
 from csd_pipeline.errors import CsdError
 from csd_pipeline.report.stats import aligned_tables, inspect_summary
 from schemas.aligned import SHAPES, ChunkStatus
-from tests.align.test_stage import tables_for  # noqa: F401 (a fixture: tables cached next to the fixtures)
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -102,7 +101,7 @@ def test_inspect_tables_equal_a_brute_force_count(trainer_data):
 
 
 @pytest.mark.slow
-def test_inspect_tables_of_a_chat_output(tmp_path, tables_for, tokenizer_path):  # noqa: F811
+def test_inspect_tables_of_a_chat_output(tmp_path, tables_for, tokenizer_path):
     # chat mode counts every token of a rendering (no context-token head) and the supervised ones
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.stage import run_align

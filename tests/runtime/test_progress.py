@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.align.test_stage import tables_for  # noqa: F401 (a fixture: tables cached next to the fixtures)
-
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -87,7 +85,7 @@ def test_quiet_and_logs_show_no_bar():
 
 
 @pytest.mark.slow
-def test_align_bar_counts_every_document_with_workers(tmp_path, tables_for, tokenizer_path):  # noqa: F811
+def test_align_bar_counts_every_document_with_workers(tmp_path, tables_for, tokenizer_path):
     corpus = [str(DATA / "devil-slice.txt"), str(DATA / "kjv-genesis-slice.txt")]
     base = [sys.executable, "-m", "cli.main", "align", "--corpus", corpus[0], "--corpus", corpus[1],
             "--split-on-blank-lines", "--student-tokenizer", str(tokenizer_path("llama-spm")),

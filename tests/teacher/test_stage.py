@@ -49,8 +49,9 @@ def _quiet_machine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def aligned(tmp_path_factory, tokenizer_path) -> Path:
-    """Real text aligned (gpt-2 student, SmolLM2 teacher): 3 shards, 12 rows of 4 to 126 teacher tokens."""
+def aligned(tmp_path_factory, tokenizer_path, tables_for) -> Path:
+    """Real text aligned (gpt-2 student, SmolLM2 teacher, cached tables): 3 shards, 12 rows of 4 to 126
+    teacher tokens."""
     from csd_pipeline.align.stage import AlignConfig, run_align
 
     out = tmp_path_factory.mktemp("aligned")
@@ -58,6 +59,7 @@ def aligned(tmp_path_factory, tokenizer_path) -> Path:
         corpus=[str(DATA / "kjv-genesis-slice.txt"), str(DATA / "python-docs-generators-slice.txt")],
         student_tokenizer=str(tokenizer_path("gpt-2")), teacher_tokenizers=[str(tokenizer_path("smollm2"))],
         output=str(out), max_student_tokens=128, split_on_blank_lines=True, shard_bytes=1000,
+        tables=[tables_for("gpt-2", "smollm2")],
     )
     run_align(config, rank=0, world_size=1, log=None)
     return out
@@ -98,11 +100,6 @@ def make_tiny_teacher(folder: Path, tokenizer_dir: Path, *, poison: int | None =
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer_dir / name, folder / name)
     return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_teacher(tmp_path_factory, tokenizer_path) -> Path:
-    return make_tiny_teacher(tmp_path_factory.mktemp("tiny-teacher"), tokenizer_path("smollm2"))
 
 
 def run_stage(aligned_dir, teacher, output, **options):

@@ -6,52 +6,18 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from csd_pipeline.errors import CsdError
+from tests.trainer_cases import direct_first_batch_loss, kd_run_args, metrics
 from trainer.loop import train
 from trainer.options import parse_args
 
 
-def args(data, teacher, output, *extra):
-    return ["--aligned", str(data["train_short"]), "--teacher-logits", str(teacher), "--student-config",
-            str(data["student_config"]), "--student-tokenizer", "llama-spm", "--output", str(output), "--steps", "3",
-            "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "0",
-            "--workers", "0", "--no-progress", *extra]
-
-
-def metrics(output) -> list[dict]:
-    return [json.loads(line) for line in open(output / "metrics.jsonl", encoding="utf-8")]
-
-
-def direct_first_batch_loss(config, **loss_options):
-    """The loss of the run's first batch at its initial weights: dense float64 logits, no FSDP."""
-    from csd_pipeline.loss.csd import csd_loss
-    from trainer.data import TrainingData
-    from trainer.model import build_student
-
-    data = TrainingData.open(config)
-    loader = data.loader(0, 1, None)
-    batch = next(loader)
-    loader.close()
-    model = build_student(config.student, config.seed, data.student_vocab.size)
-    with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
-                       use_cache=False).logits
-    out = csd_loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
-                   logits=logits.reshape(-1, logits.shape[-1]).double(),
-                   global_chunk_counts=[sum(batch.shape_counts[0])], beta=config.loss.beta, **loss_options)
-    return out, batch
-
-
 @pytest.fixture(scope="module")
-def csd_run(trainer_data, trainer_teacher, tmp_path_factory):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine is shared
+def csd_run(trainer_data, trainer_teacher, tmp_path_factory, one_thread):
     output = tmp_path_factory.mktemp("csd") / "run"
-    train(parse_args(args(trainer_data, trainer_teacher, output)))
-    yield output
-    torch.set_num_threads(before)
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output)))
+    return output
 
 
 @pytest.mark.slow
@@ -63,7 +29,7 @@ def test_csd_steps_match_a_direct_loss_on_the_same_batch(trainer_data, trainer_t
         assert row["loss"] == pytest.approx(2 * row["ce"], rel=1e-12)
         assert 0 < row["teacher_event_mass"] <= 1 and 0 <= row["student_rest_mass"] <= 1
     # independent path: the same first batch, the same initial weights, dense logits, no FSDP
-    out, batch = direct_first_batch_loss(parse_args(args(trainer_data, trainer_teacher, csd_run)))
+    out, batch = direct_first_batch_loss(parse_args(kd_run_args(trainer_data, trainer_teacher, csd_run)))
     assert first["ce"] == pytest.approx(float(out.ce), rel=1e-5)
     assert first["kd"] == pytest.approx(float(out.kd), rel=1e-4)
     assert first["chunks_1to1"] == batch.shape_counts[0][0]
@@ -72,7 +38,7 @@ def test_csd_steps_match_a_direct_loss_on_the_same_batch(trainer_data, trainer_t
 @pytest.mark.slow
 def test_csd_1to1_uses_only_one_to_one_chunks(trainer_data, trainer_teacher, csd_run, tmp_path):
     output = tmp_path / "run"
-    train(parse_args(args(trainer_data, trainer_teacher, output, "--loss", "csd_1to1", "--steps", "1")))
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--loss", "csd_1to1", "--steps", "1")))
     row, reference = metrics(output)[0], metrics(csd_run)[0]
     assert row["chunks_1to1"] == reference["chunks_1to1"] > 0
     assert row["chunks_1toN"] == row["chunks_Mto1"] == row["chunks_MtoN"] == 0
@@ -83,7 +49,7 @@ def test_csd_1to1_uses_only_one_to_one_chunks(trainer_data, trainer_teacher, csd
 @pytest.mark.parametrize(("scale", "weight"), [("dynamic", 2.0), ("fixed", 0.5)])
 def test_kd_scale_and_weight_set_the_kd_multiplier(trainer_data, trainer_teacher, csd_run, tmp_path, scale, weight):
     output = tmp_path / "run"
-    train(parse_args(args(trainer_data, trainer_teacher, output, "--steps", "1", "--kd-scale", scale,
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--steps", "1", "--kd-scale", scale,
                           "--kd-weight", str(weight))))
     row, reference = metrics(output)[0], metrics(csd_run)[0]
     assert (row["ce"], row["kd"]) == (reference["ce"], reference["kd"])  # same first step before the update
@@ -96,7 +62,7 @@ def test_kd_scale_and_weight_set_the_kd_multiplier(trainer_data, trainer_teacher
 def test_teacher_temperature_reaches_the_loss(trainer_data, trainer_teacher, csd_run, tmp_path):
     """`--teacher-temperature` changes the first step's KD (not its CE) to the direct loss's value."""
     output = tmp_path / "run"
-    config = parse_args(args(trainer_data, trainer_teacher, output, "--steps", "1", "--teacher-temperature", "1.5"))
+    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--steps", "1", "--teacher-temperature", "1.5"))
     train(config)
     row, reference = metrics(output)[0], metrics(csd_run)[0]
     assert row["ce"] == reference["ce"] and row["kd"] != pytest.approx(reference["kd"], rel=1e-3)
@@ -112,13 +78,13 @@ def test_teacher_computed_from_other_aligned_data_is_refused(trainer_data, train
     manifest["aligned"]["manifest_sha256"] = "0" * 64
     (forged / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CsdError, match=r"another aligned directory.*re-run `csd-pipeline teacher-logits"):
-        train(parse_args(args(trainer_data, forged, tmp_path / "run")))
+        train(parse_args(kd_run_args(trainer_data, forged, tmp_path / "run")))
 
 
 @pytest.mark.slow
 def test_kd_teacher_without_its_directory_is_refused(trainer_data, trainer_teacher, tmp_path):
     with pytest.raises(CsdError, match="--kd-teachers names teacher 1"):
-        train(parse_args(args(trainer_data, trainer_teacher, tmp_path / "run", "--kd-teachers", "0:1,1:0.5")))
+        train(parse_args(kd_run_args(trainer_data, trainer_teacher, tmp_path / "run", "--kd-teachers", "0:1,1:0.5")))
 
 
 @pytest.mark.slow
@@ -126,8 +92,8 @@ def test_csd_resume_with_worker_processes_matches_the_in_process_run(trainer_dat
                                                                       tmp_path):
     # the stream is the same whatever the number of data-loader workers, and resumes exactly
     output = tmp_path / "run"
-    train(parse_args(args(trainer_data, trainer_teacher, output, "--workers", "2", "stop_at_step=2")))
-    train(parse_args(args(trainer_data, trainer_teacher, output, "--workers", "2", "--resume")))
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--workers", "2", "stop_at_step=2")))
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--workers", "2", "--resume")))
     keys = ("step", "loss", "ce", "kd", "lr", "grad_norm", "chunks_1to1", "chunks_1toN", "chunks_Mto1", "chunks_MtoN")
     assert [{k: r[k] for k in keys} for r in metrics(output)] == [{k: r[k] for k in keys} for r in metrics(csd_run)]
 
@@ -142,7 +108,7 @@ def test_two_teachers_are_weighted_and_counted_apart(trainer_data, trainer_teach
     manifest["config"]["teacher_index"] = 1
     (second / "manifest.json").write_text(json.dumps(manifest))
     output = tmp_path / "run"
-    train(parse_args(args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
                           "--kd-teachers", "0:1.0,1:0.5", "--steps", "1")))
     row, single = metrics(output)[0], metrics(csd_run)[0]
     assert row["teacher0_chunks"] == row["teacher1_chunks"] == single["chunks_1to1"] + single["chunks_1toN"] + \

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from csd_pipeline.errors import CsdError
+from tests.trainer_cases import metrics
 from trainer import checkpoint
 from trainer.loop import train
 from trainer.options import parse_args
@@ -22,19 +23,6 @@ def base_args(data, output, *extra):
             "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "5",
             "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "2",
             "--workers", "0", "--no-progress", *extra]
-
-
-def metrics(output) -> list[dict]:
-    with open(output / "metrics.jsonl", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the machine is shared; also keeps float reductions in one order
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
