@@ -26,6 +26,7 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.loss.events import BatchEvents
 from schemas.aligned import teacher_columns
 
+
 def chunk_boundaries(aligned_row, teacher_index: int) -> np.ndarray:
     """The student token boundaries of teacher `teacher_index`'s chunks in one aligned row: 0, the end
     of every chunk (the row's length last), as int64."""
