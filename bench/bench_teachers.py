@@ -22,8 +22,8 @@ Gemma 3 (`gemma3`), at a fine-tuning learning rate; it also measures the untouch
 bits per byte ("before"), and every run's exported model with the same command (`csd-pipeline
 bits-per-byte`).
 
-`--seeds 0,1,2` (default), `--regime` (repeatable), `--arms`, `--quick` (20 steps per arm, 8 for
-`pretrained`: a smoke run, written to teachers-quick.json). Writes bench-results/teachers.json and
+`--seeds 0,1,2` (default), `--regime` (repeatable), `--arms`, `--quick` (the first records of each
+corpus, 20 steps per arm, 8 for `pretrained`: a smoke run, written to teachers-quick.json). Writes bench-results/teachers.json and
 prints a table: mean held-out bits per byte over the seeds, half the min-max spread, vs CE, vs the
 better single teacher (its mean), seconds per step (mean of the last 10 steps).
 
@@ -86,13 +86,27 @@ def regime_arms(regime: str) -> dict:
     return PRETRAINED_ARMS if regime == "pretrained" else TEACHER_ARMS
 
 
-def prepare(regime: str, out: Path, log: Path) -> dict:
-    """Align train and held-out once with every teacher of the regime; store each teacher's top-128 once."""
+QUICK_RECORDS = {"train": 12, "heldout": 3}  # --quick aligns only the first records of each corpus
+
+
+def _quick_corpus(corpus: str, records: int, folder: Path) -> str:
+    """The first `records` records of a .jsonl corpus, copied into `folder` (a --quick run's corpus)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / Path(corpus).name
+    lines = (ROOT / corpus).read_text(encoding="utf-8").splitlines(keepends=True)[:records]
+    target.write_text("".join(lines), encoding="utf-8")
+    return str(target)
+
+
+def prepare(regime: str, out: Path, log: Path, quick: bool = False) -> dict:
+    """Align train and held-out once with every teacher of the regime; store each teacher's top-128 once.
+    `quick`: only the first QUICK_RECORDS records of each corpus (a smoke run)."""
     spec = regime_spec(regime)
     pipeline = BIN / "csd-pipeline"
     dirs = {name: out / regime / name for name in ("aligned", "heldout")}
     teacher_flags = [flag for tokenizer, _ in spec["teachers"] for flag in ("--teacher-tokenizer", tokenizer)]
-    for name, corpus in (("aligned", spec["train"]), ("heldout", spec["heldout"])):
+    for name, part in (("aligned", "train"), ("heldout", "heldout")):
+        corpus = _quick_corpus(spec[part], QUICK_RECORDS[part], out / regime / "quick-corpus") if quick else spec[part]
         run([pipeline, "align", "--corpus", corpus, "--student-tokenizer", spec["tokenizer"], *teacher_flags,
              "--output", dirs[name], "--max-student-tokens", WINDOW, "--max-teacher-tokens", WINDOW, "--quiet"], log)
     for index, (tokenizer, model) in enumerate(spec["teachers"]):
@@ -241,8 +255,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--regime", action="append", choices=ALL_REGIMES)
     parser.add_argument("--arms", help="comma-separated subset of the arms (a regime runs those it has)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--quick", action="store_true", help="20 steps per arm (8 pretrained): a smoke run, "
-                        "written to teachers-quick.json")
+    parser.add_argument("--quick", action="store_true", help="the first records of each corpus, 20 steps per arm "
+                        "(8 pretrained): a smoke run, written to teachers-quick.json")
     args = parser.parse_args(argv)
     regimes = args.regime or ALL_REGIMES
     try:
@@ -254,7 +268,7 @@ def main(argv: list[str]) -> int:
     if wanted and set(wanted) - known:
         parser.error(f"--arms: unknown arm(s) {sorted(set(wanted) - known)}; choose from {sorted(known)}")
     arms = {r: [a for a in regime_arms(r) if not wanted or a in wanted] for r in regimes}
-    out = ROOT / args.out
+    out = ROOT / (args.out + ("-quick" if args.quick else ""))  # a smoke run's folders never mix with a measurement's
     out.mkdir(parents=True, exist_ok=True)
     log = out / "commands.log"
     results_dir = ROOT / "bench-results"
@@ -266,7 +280,7 @@ def main(argv: list[str]) -> int:
     results, scores = [], {}
     for regime in regimes:
         prepared = time.perf_counter()
-        dirs = prepare(regime, out, log)
+        dirs = prepare(regime, out, log, args.quick)
         scores[regime] = reference_scores(regime, dirs)
         print(f"[teachers] {regime}: prepared in {time.perf_counter() - prepared:.0f} s; no training: "
               + ", ".join(f"{k} {v:.4f}" for k, v in scores[regime].items()), flush=True)
