@@ -23,7 +23,7 @@ bits per byte ("before"), and every run's exported model with the same command (
 bits-per-byte`).
 
 `--seeds 0,1,2` (default), `--regime` (repeatable), `--arms`, `--quick` (the first records of each
-corpus, 20 steps per arm, 8 for `pretrained`: a smoke run, written to teachers-quick.json). Writes bench-results/teachers.json and
+corpus, 20 steps per arm, 3 for `pretrained`: a smoke run, written to teachers-quick.json). Writes bench-results/teachers.json and
 prints a table: mean held-out bits per byte over the seeds, half the min-max spread, vs CE, vs the
 better single teacher (its mean), seconds per step (mean of the last 10 steps).
 
@@ -73,7 +73,9 @@ PRETRAINED = {"train": "bench/corpus/kjv-train.jsonl", "heldout": "bench/corpus/
               "lr": "5e-5", "warmup": 10}
 PRETRAINED_ARMS = {"ce": ["--loss", "ce"], "gemma3": [*KD, "--kd-teachers", "0:1"]}
 ALL_REGIMES = [*REGIMES, "pretrained"]
-SECONDS_PER_STEP_GUESS = {"data-limited": 0.5, "data-rich": 0.5, "pretrained": 4.0}  # the estimate before a run
+# The estimate printed before a run: seconds per step of a one-teacher CSD arm on 2 CPU cores (bench_quality's
+# runs for the from-scratch student; a 135M student is forward + backward of ~0.5 TFLOP per step).
+SECONDS_PER_STEP_GUESS = {"data-limited": 0.4, "data-rich": 0.4, "pretrained": 15.0}
 
 
 def regime_spec(regime: str) -> dict:
@@ -151,10 +153,11 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
     teachers = [flag for i in range(len(spec["teachers"])) for flag in ("--teacher-logits", dirs[f"teacher{i}"])]
     warmup = min(spec.get("warmup", WARMUP_STEPS), steps // 4)
+    eval_every = max(steps // EVAL_POINTS, 1) if steps >= 4 * EVAL_POINTS else steps  # a smoke run: at the end only
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], *teachers, *_student_args(regime), "--output", target,
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
-         "--eval-every", max(steps // EVAL_POINTS, 1), "--warmup-steps", warmup, *regime_arms(regime)[arm]], log)
+         "--eval-every", eval_every, "--warmup-steps", warmup, *regime_arms(regime)[arm]], log)
     seconds = time.perf_counter() - started
     evals = _read_jsonl(target / "eval.jsonl")
     final = [e for e in evals if e.get("step") == steps] or evals
@@ -245,7 +248,7 @@ def estimate_minutes(regimes: list[str], arms: dict, seeds: list[int], quick: bo
 
 def _steps(regime: str, quick: bool) -> int:
     if quick:
-        return 8 if regime == "pretrained" else 20
+        return 3 if regime == "pretrained" else 20
     return regime_spec(regime)["steps"]
 
 
@@ -256,7 +259,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--arms", help="comma-separated subset of the arms (a regime runs those it has)")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--quick", action="store_true", help="the first records of each corpus, 20 steps per arm "
-                        "(8 pretrained): a smoke run, written to teachers-quick.json")
+                        "(3 pretrained): a smoke run, written to teachers-quick.json")
     args = parser.parse_args(argv)
     regimes = args.regime or ALL_REGIMES
     try:
