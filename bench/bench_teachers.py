@@ -88,15 +88,16 @@ def regime_arms(regime: str) -> dict:
     return PRETRAINED_ARMS if regime == "pretrained" else TEACHER_ARMS
 
 
-QUICK_RECORDS = {"train": 12, "heldout": 3}  # --quick aligns only the first records of each corpus
+QUICK_RECORDS = {"train": 4, "heldout": 2}  # --quick aligns only the first records of each corpus
 
 
 def _quick_corpus(corpus: str, records: int, folder: Path) -> str:
     """The first `records` records of a .jsonl corpus, copied into `folder` (a --quick run's corpus)."""
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / Path(corpus).name
-    lines = (ROOT / corpus).read_text(encoding="utf-8").splitlines(keepends=True)[:records]
-    target.write_text("".join(lines), encoding="utf-8")
+    text = "".join((ROOT / corpus).read_text(encoding="utf-8").splitlines(keepends=True)[:records])
+    if not target.is_file() or target.read_text(encoding="utf-8") != text:  # rewritten, it is another align input
+        target.write_text(text, encoding="utf-8")
     return str(target)
 
 
