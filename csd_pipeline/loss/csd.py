@@ -36,15 +36,17 @@ if TYPE_CHECKING:  # pragma: no cover
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 DEFAULT_DIVERGENCE = "jsd"  # the paper's
 DEFAULT_BETA = 5.0  # the paper's weight of the non-1:1 chunks in the KD term
-# How several teachers' KD terms combine: a weighted sum of per-teacher means, or one teacher per group
-# of chunks (`loss.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
-KD_COMBINES = ("sum", "select")
 
 
 def check_divergence(divergence: str) -> None:
     """Raise `CsdError` unless `divergence` is one of `DIVERGENCES`."""
     if divergence not in DIVERGENCES:
         raise CsdError(f"unknown divergence {divergence!r}; choose one of {', '.join(DIVERGENCES)}.")
+
+
+# How several teachers' KD terms combine: a weighted sum of per-teacher means, or one teacher per group
+# of chunks (`loss.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
+KD_COMBINES = ("sum", "select")
 
 
 # ----------------------------------------------------------------------------------------------
