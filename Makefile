@@ -10,7 +10,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-teachers lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -19,6 +19,7 @@ help:
 	@echo "make tables      STUDENT=... TEACHER=... build both tables, then validate"
 	@echo "make bench       speed benchmarks (table + JSON in bench-results/)"
 	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
+	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (hours)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 
 $(STAMP): pyproject.toml
@@ -57,6 +58,9 @@ bench: fixtures
 
 bench-quality: fixtures
 	$(PY) bench/bench_quality.py
+
+bench-teachers: fixtures
+	$(PY) bench/bench_teachers.py
 
 lint: venv
 	$(VENV)/bin/ruff check csd_pipeline cli trainer schemas tests bench

@@ -55,7 +55,10 @@ def load_events(path: str):
         "chain_pos", "chain_tok", "chain_chunk", "final_pos", "final_tok", "final_event",
         "event_chunk", "event_teacher_logq", "chunk_shape",
     ]
-    events = BatchEvents(**{f: data[f] for f in fields}, stats={})
+    spans = {f: data[f] if f in data else np.zeros(len(data["chunk_shape"]), dtype)  # not read by the loss
+             for f, dtype in (("chunk_student_start", np.int64), ("chunk_student_len", np.int64),
+                              ("chunk_teacher_loglik", np.float64))}
+    events = BatchEvents(**{f: data[f] for f in fields}, **spans, stats={})
     return data["ce_positions"], data["ce_tokens"], events
 
 

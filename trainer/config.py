@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES
+from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
 from csd_pipeline.loss.events import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES, TEACHER_CONTROLS
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
@@ -142,6 +142,10 @@ class LossConfig:
                             trajectory=True)
     kd_teachers: str | None = _opt(None, "teachers and weights, e.g. `0:1.0,1:0.5` (default: all, weight 1)",
                                    trajectory=True)
+    kd_combine: str = _opt("sum", "several teachers: sum (KD = sum of weight x each teacher's mean over its chunks) "
+                                  "or select (per group of chunks the teacher that covers it and gives its text the "
+                                  "highest log-probability; one mean over the kept chunks; docs/TRAINING.md)",
+                           trajectory=True, choices=KD_COMBINES)
     teacher_temperature: float = _opt(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
                                            "P^(1/T), renormalised (1: the paper's)", trajectory=True)
     spelling: str = _opt(DEFAULT_SPELLING, "tokens with equal bytes: sum their probabilities or exclude them",
@@ -193,6 +197,20 @@ class LossConfig:
             raise CsdError(f"--teacher-temperature applies to the csd losses only; leave it at 1 with --loss {self.loss}")
         if not (self.teacher_temperature > 0 and math.isfinite(self.teacher_temperature)):
             raise CsdError(f"--teacher-temperature must be a positive number, got {self.teacher_temperature}")
+        if self.kd_combine == "select":
+            self._check_select()
+
+    def _check_select(self) -> None:
+        """--kd-combine select: CSD events only, no control, and teachers named without weights."""
+        if self.is_baseline or self.teacher_control != "none":
+            what = f"--loss {self.loss}" if self.is_baseline else f"--teacher-control {self.teacher_control}"
+            raise CsdError(f"--kd-combine select works with the csd losses and real teacher rows, not with {what}; "
+                           "use --kd-combine sum")
+        weights = set(self.teacher_weights(0).values())
+        if not weights <= {0.0, 1.0}:
+            raise CsdError(f"--kd-combine select chooses one teacher per group of chunks and weighs none, but "
+                           f"--kd-teachers gives weights {sorted(weights)}; give each teacher weight 1 (0 leaves it "
+                           "out), or use --kd-combine sum")
 
     def teacher_weights(self, num_teachers: int) -> dict[int, float]:
         """Teacher index -> KD weight, from `--kd-teachers` (default: each of `num_teachers`, weight 1)."""

@@ -89,7 +89,7 @@ class TrainingData:
             batch_size=data.batch_size, spelling=loss.spelling, only_1to1=loss.only_1to1,
             rank=rank, world=world, epoch=state["epoch"], position=state["position"], pad_id=self.pad_id(),
             teacher_top_k=loss.teacher_top_k, teacher_cache_bytes=data.teacher_cache_mb << 20,
-            baseline=loss.is_baseline, teacher_control=loss.teacher_control,
+            baseline=loss.is_baseline, teacher_control=loss.teacher_control, kd_combine=loss.kd_combine,
         )
         return BatchLoader(spec, data.workers)
 

@@ -67,6 +67,7 @@ class LoaderSpec:
     teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
     baseline: bool = False         # uld, gold, strict: per-chunk rows (ChunkRows) instead of CSD events
     teacher_control: str = "none"  # shuffled: the batch's teacher rows given to other positions
+    kd_combine: str = "sum"        # select: per group of chunks, only the chosen teacher's chunks (loss.teacher_select)
 
 
 @dataclass
@@ -175,8 +176,7 @@ class _BatchBuilder:
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
         from csd_pipeline.loss.events import ce_targets, collate_events
-        from csd_pipeline.loss.row_events import build_row_events
-        from csd_pipeline.loss.teacher_rows import build_row_chunks, collate_chunk_rows, shuffle_teacher_rows
+        from csd_pipeline.loss.teacher_rows import collate_chunk_rows
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,
@@ -184,33 +184,42 @@ class _BatchBuilder:
         offsets = packed.flat_offsets
         ce_positions, ce_tokens = ce_targets([w.columns["student_ids"] for w in windows],
                                              [w.columns["student_loss_mask"] for w in windows], offsets)
-        teachers, shapes = [], []
-        for t, index in enumerate(spec.teacher_indices):
-            context = self.contexts()[t]
-            topks = [self.teacher_row(t, w.shard, w.row) for w in windows]
-            if spec.teacher_control == "shuffled":  # the same stored rows, at other positions of the batch
-                first = windows[0].state_after
-                rng = np.random.default_rng([spec.seed, spec.rank, t, first["epoch"], first["position"]])
-                topks = shuffle_teacher_rows(topks, rng)
-            # A rejected teacher row (non-finite values) gives no events or rows (CE only) and is counted.
-            if spec.baseline:
-                rows = [build_row_chunks(w.columns, index, topk, context, only_1to1=spec.only_1to1,
-                                         source=spec.aligned.shards[w.shard].file)
-                        for w, topk in zip(windows, topks, strict=True)]
-                events = collate_chunk_rows(rows, offsets)
-            else:
-                rows = [build_row_events(w.columns, index, topk, context, spelling=spec.spelling,
-                                         only_1to1=spec.only_1to1, source=spec.aligned.shards[w.shard].file)
-                        for w, topk in zip(windows, topks, strict=True)]
-                events = collate_events(rows, offsets)
-            teachers.append(events)
-            shapes.append(events.shape_counts())
+        rows_by_teacher = [self._teacher_rows(t, index, windows) for t, index in enumerate(spec.teacher_indices)]
+        if spec.kd_combine == "select" and not spec.baseline:
+            from csd_pipeline.loss.teacher_select import chunk_boundaries, select_windows
+
+            boundaries = [[chunk_boundaries(w.columns, index) for w in windows] for index in spec.teacher_indices]
+            rows_by_teacher = select_windows(rows_by_teacher, boundaries)
+        teachers = [collate_chunk_rows(rows, offsets) if spec.baseline else collate_events(rows, offsets)
+                    for rows in rows_by_teacher]
+        shapes = [events.shape_counts() for events in teachers]
         return MicroBatch(
             input_ids=packed.input_ids, position_ids=packed.position_ids, ce_positions=ce_positions,
             ce_tokens=ce_tokens, teachers=teachers, shape_counts=shapes, content_tokens=packed.content_tokens,
             padding_tokens=spec.batch_size * spec.seq_len - packed.content_tokens, windows=len(windows),
             state=dict(windows[-1].state_after),
         )
+
+    def _teacher_rows(self, t: int, index: int, windows: list[_Window]) -> list:
+        """Teacher `t`'s events (or, for a baseline, `ChunkRows`) of every window, row-local."""
+        from csd_pipeline.loss.row_events import build_row_events
+        from csd_pipeline.loss.teacher_rows import build_row_chunks, shuffle_teacher_rows
+
+        spec = self.spec
+        context = self.contexts()[t]
+        topks = [self.teacher_row(t, w.shard, w.row) for w in windows]
+        if spec.teacher_control == "shuffled":  # the same stored rows, at other positions of the batch
+            first = windows[0].state_after
+            rng = np.random.default_rng([spec.seed, spec.rank, t, first["epoch"], first["position"]])
+            topks = shuffle_teacher_rows(topks, rng)
+        # A rejected teacher row (non-finite values) gives no events or rows (CE only) and is counted.
+        if spec.baseline:
+            return [build_row_chunks(w.columns, index, topk, context, only_1to1=spec.only_1to1,
+                                     source=spec.aligned.shards[w.shard].file)
+                    for w, topk in zip(windows, topks, strict=True)]
+        return [build_row_events(w.columns, index, topk, context, spelling=spec.spelling, only_1to1=spec.only_1to1,
+                                 source=spec.aligned.shards[w.shard].file)
+                for w, topk in zip(windows, topks, strict=True)]
 
 
 def keep_most_likely(topk, n: int):

@@ -215,6 +215,11 @@ class StepCounts:
         """Per teacher: accepted KD chunks (each teacher's KD term is divided by its count)."""
         return [sum(c) for c in self.shapes]
 
+    def kd_denominators(self, kd_combine: str) -> list[float]:
+        """What each teacher's divergence sum is divided by: its own chunk count (sum), or the chunks kept
+        over all teachers (select: KD is one mean over the kept chunks)."""
+        return [sum(self.chunks)] * len(self.shapes) if kd_combine == "select" else self.chunks
+
     @classmethod
     def all_reduce(cls, micro: list, n_teachers: int, device) -> StepCounts:
         local = [sum(len(m.ce_positions) for m in micro), sum(m.content_tokens for m in micro),
@@ -242,7 +247,8 @@ def train_step(wrapper, optimizer, scheduler, micro: list, teacher_weights: list
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return _step_record(counts, sums, lr=lr, grad_norm=grad_norm, skipped=nonfinite)
+    return _step_record(counts, sums, lr=lr, grad_norm=grad_norm, skipped=nonfinite,
+                        select=config.loss.kd_combine == "select")
 
 
 def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights: list[float], loss: LossConfig,
@@ -254,7 +260,7 @@ def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights:
             "diagnostics": [0.0] * (n_teachers * (len(LOSS_DIAGNOSTICS) + 1))}
     for batch in micro:
         out = wrapper(**_to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
-                      global_chunk_counts=counts.chunks, teacher_weights=teacher_weights,
+                      global_chunk_counts=counts.kd_denominators(loss.kd_combine), teacher_weights=teacher_weights,
                       divergence=loss.divergence, beta=loss.beta, teacher_temperature=loss.teacher_temperature,
                       chunk_size=loss.loss_chunk_size or None, keep_bytes=loss.loss_keep_mb << 20, loss_kind=loss.loss,
                       baseline=loss.baseline_options())
@@ -275,8 +281,10 @@ def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights:
     return sums
 
 
-def _step_record(counts: StepCounts, sums: dict, *, lr: float, grad_norm: float, skipped: bool) -> dict:
-    """The metrics.jsonl record of one step (without the timing fields the loop adds)."""
+def _step_record(counts: StepCounts, sums: dict, *, lr: float, grad_norm: float, skipped: bool,
+                 select: bool = False) -> dict:
+    """The metrics.jsonl record of one step (without the timing fields the loop adds); with `select`
+    (`--kd-combine select`) each teacher's share of the kept chunks too."""
     rows = counts.rows
     record = {"loss": sums["loss"], "ce": sums["ce"], "kd": sums["kd"], "lr": lr, "grad_norm": grad_norm,
               "tokens": int(counts.tokens), "ce_tokens": int(counts.ce_tokens), "padding_tokens": int(counts.padding),
@@ -292,6 +300,8 @@ def _step_record(counts: StepCounts, sums: dict, *, lr: float, grad_norm: float,
         if n_teachers > 1:
             record[f"teacher{t}_kd"] = sums["teacher_kd"][t]
             record[f"teacher{t}_chunks"] = int(counts.chunks[t])
+            if select:
+                record[f"teacher{t}_share"] = counts.chunks[t] / sum(counts.chunks) if sum(counts.chunks) else 0.0
         diagnostics = sums["diagnostics"][t * width:(t + 1) * width]
         if diagnostics[-1]:
             record.update({prefix + key: value / diagnostics[-1]

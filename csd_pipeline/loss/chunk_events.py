@@ -38,11 +38,22 @@ class EventBuilder:
         self.event_chunk: list[int] = []
         self.event_logq: list[float] = []
         self.chunk_shape: list[int] = []
+        self.chunk_student_start: list[int] = []
+        self.chunk_student_len: list[int] = []
+        self.chunk_teacher_loglik: list[float] = []
 
-    def start_chunk(self, shape: int, chain: list[tuple[int, int]]) -> int:
-        """Open a chunk of `shape` with its student chain gathers [(position, token)]; returns its index."""
+    def start_chunk(self, shape: int, chain: list[tuple[int, int]], student_span: tuple[int, int] = (0, 0),
+                    teacher_loglik: float = 0.0) -> int:
+        """Open a chunk of `shape` with its student chain gathers [(position, token)]; returns its index.
+
+        student_span: (first student token, student tokens) of the chunk; teacher_loglik: the teacher's
+        log-probability of the chunk's observed teacher tokens (both read by `loss.teacher_select`).
+        """
         c = len(self.chunk_shape)
         self.chunk_shape.append(shape)
+        self.chunk_student_start.append(int(student_span[0]))
+        self.chunk_student_len.append(int(student_span[1]))
+        self.chunk_teacher_loglik.append(float(teacher_loglik))
         for pos, tok in chain:
             self.chain_pos.append(pos)
             self.chain_tok.append(tok)
@@ -210,6 +221,9 @@ class EventBuilder:
             event_chunk=ints(self.event_chunk),
             event_teacher_logq=np.asarray(self.event_logq, dtype=np.float64),
             chunk_shape=ints(self.chunk_shape),
+            chunk_student_start=ints(self.chunk_student_start),
+            chunk_student_len=ints(self.chunk_student_len),
+            chunk_teacher_loglik=np.asarray(self.chunk_teacher_loglik, dtype=np.float64),
             stats=stats,
         )
 

@@ -49,6 +49,11 @@ def check_divergence(divergence: str) -> None:
         raise CsdError(f"unknown divergence {divergence!r}; choose one of {', '.join(DIVERGENCES)}.")
 
 
+# How several teachers' KD terms combine: a weighted sum of per-teacher means, or one teacher per group
+# of chunks (`loss.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
+KD_COMBINES = ("sum", "select")
+
+
 # ----------------------------------------------------------------------------------------------
 # Divergence over events
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ For every accepted chunk of an aligned row, the events are listed as flat numpy 
 - the student's chain gathers: (position, token) of the chunk's fixed student prefix s_1..s_{M-1};
 - the events: for each, its student final-token gathers (the spelling class of u_k at the final
   predictor position) and the teacher's log q_T(k) (chain factors + final-token class, float64);
-- per chunk its shape (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N; the order of `schemas.aligned.SHAPES`).
+- per chunk its shape (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N; the order of `schemas.aligned.SHAPES`),
+  its student token span (first token, count) and the teacher's log-likelihood of its observed
+  tokens (what `--kd-combine select` compares between teachers, `loss.teacher_select`).
 
 The loss (`loss.csd`) then only gathers student log-probabilities at those pairs and sums them per
 chunk. One row's events are built by `loss.row_events.build_row_events` (with the look-ups of
@@ -30,7 +32,9 @@ SPELLING_MODES = ("sum", "exclude")
 DEFAULT_SPELLING = "sum"
 
 _INDEX_FIELDS = ("chain_pos", "chain_tok", "chain_chunk", "final_pos", "final_tok", "final_event", "event_chunk",
-                 "chunk_shape")
+                 "chunk_shape", "chunk_student_start", "chunk_student_len")
+# Fields that hold flat student positions: shifted by each row's offset when rows become a batch.
+_POSITION_FIELDS = ("chain_pos", "final_pos", "chunk_student_start")
 
 
 @dataclass
@@ -41,6 +45,9 @@ class BatchEvents:
     final_pos/final_tok/final_event: int64 [Gf] student final-token gathers and their event.
     event_chunk: int64 [E]; event_teacher_logq: float64 [E] teacher log q_T per event.
     chunk_shape: int64 [C] (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N).
+    chunk_student_start / chunk_student_len: int64 [C] the student tokens the chunk spans: the position of
+    its first token in the row (in the packed batch after `collate_events`) and M.
+    chunk_teacher_loglik: float64 [C] the teacher's log-probability of the chunk's observed teacher tokens.
     stats: counters (chunks skipped by reason, rows) for logging; not sent to the device.
     """
 
@@ -53,6 +60,9 @@ class BatchEvents:
     event_chunk: Any
     event_teacher_logq: Any
     chunk_shape: Any
+    chunk_student_start: Any
+    chunk_student_len: Any
+    chunk_teacher_loglik: Any
     stats: dict = field(default_factory=dict)
 
     @property
@@ -100,7 +110,8 @@ def empty_events(stats: dict | None = None) -> BatchEvents:
     import numpy as np
 
     z = np.zeros(0, dtype=np.int64)
-    return BatchEvents(z, z, z, z, z, z, z, np.zeros(0, dtype=np.float64), z, dict(stats or {}))
+    f = np.zeros(0, dtype=np.float64)
+    return BatchEvents(z, z, z, z, z, z, z, f, z, z, z, f, dict(stats or {}))
 
 
 def collate_events(rows: list[BatchEvents], row_offsets) -> BatchEvents:
@@ -118,18 +129,19 @@ def collate_events(rows: list[BatchEvents], row_offsets) -> BatchEvents:
         return empty_events()
     parts: dict[str, list] = {name: [] for name in _INDEX_FIELDS}
     parts["event_teacher_logq"] = []
+    parts["chunk_teacher_loglik"] = []
     stats: dict = {}
     n_chunks = n_events = 0
     for ev, off in zip(rows, offsets):
-        parts["chain_pos"].append(ev.chain_pos + off)
-        parts["chain_tok"].append(ev.chain_tok)
-        parts["chain_chunk"].append(ev.chain_chunk + n_chunks)
-        parts["final_pos"].append(ev.final_pos + off)
-        parts["final_tok"].append(ev.final_tok)
-        parts["final_event"].append(ev.final_event + n_events)
-        parts["event_chunk"].append(ev.event_chunk + n_chunks)
-        parts["event_teacher_logq"].append(ev.event_teacher_logq)
-        parts["chunk_shape"].append(ev.chunk_shape)
+        for name in parts:
+            value = getattr(ev, name)
+            if name in _POSITION_FIELDS:
+                value = value + off
+            elif name in ("chain_chunk", "event_chunk"):
+                value = value + n_chunks
+            elif name == "final_event":
+                value = value + n_events
+            parts[name].append(value)
         n_chunks += ev.num_chunks
         n_events += ev.num_events
         for key, value in ev.stats.items():

@@ -124,7 +124,7 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
                 f"{row.where}: the teacher log-probability of the special token of accepted chunk {c} is not "
                 "finite; the teacher shard is corrupted, re-run `csd-pipeline teacher-logits`."
             )
-        chunk = builder.start_chunk(shape, [])
+        chunk = builder.start_chunk(shape, [], (s0, m), float(positions.observed[t0 - 1]))
         builder.add_event(chunk, s0 - 1, np.asarray([s_tok[0]], dtype=np.int64), float(positions.observed[t0 - 1]))
         return "chunks_special_pair"
     sb, tb = context.student_bytes, context.teacher_bytes
@@ -146,7 +146,8 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
             "shard is corrupted, re-run `csd-pipeline teacher-logits`."
         )
     teacher_chain = float(chain_lp.sum())
-    chunk = builder.start_chunk(shape, [(s0 - 1 + r, s_tok[r]) for r in range(m - 1)])
+    chunk = builder.start_chunk(shape, [(s0 - 1 + r, s_tok[r]) for r in range(m - 1)], (s0, m),
+                                teacher_chain + float(obs_lp))
     fs = s0 + m - 2  # the student position that predicts the chunk's final student token
     if positions.dense:
         builder.add_dense_events(chunk, shape, fs, positions.logprobs[ft], teacher_chain, s_prefix, t_prefix,

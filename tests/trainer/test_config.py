@@ -45,6 +45,12 @@ def test_sources_apply_in_order(tmp_path):
         (["--student-config", "c.json"], "--student-config"),
         (["--loss", "csd", "--teacher-logits", "T", "--kd-teachers", "0:x"], "--kd-teachers"),
         (["stray"], "stray"),
+        (["--kd-combine", "best"], "--kd-combine"),
+        (["--loss", "uld", "--teacher-logits", "T", "--kd-combine", "select"], "--kd-combine select.*--loss uld"),
+        (["--loss", "csd", "--teacher-logits", "T", "--teacher-control", "shuffled", "--kd-combine", "select"],
+         "--kd-combine select.*--teacher-control shuffled"),
+        (["--loss", "csd", "--teacher-logits", "T", "--kd-teachers", "0:1,1:0.5", "--kd-combine", "select"],
+         "--kd-combine select.*--kd-teachers"),
     ],
 )
 def test_errors_name_the_option(argv, names):

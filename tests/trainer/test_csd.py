@@ -98,15 +98,20 @@ def test_csd_resume_with_worker_processes_matches_the_in_process_run(trainer_dat
     assert [{k: r[k] for k in keys} for r in metrics(output)] == [{k: r[k] for k in keys} for r in metrics(csd_run)]
 
 
-@pytest.mark.slow
-def test_two_teachers_are_weighted_and_counted_apart(trainer_data, trainer_teacher, csd_run, tmp_path):
-    # teacher 1 of train_short uses the same tokenizer as teacher 0, so its top-k is the same file content;
-    # only the index recorded in the manifest differs
+def second_teacher(trainer_teacher, tmp_path):
+    """Teacher 1 of train_short: the same tokenizer as teacher 0, so its top-k is the same file content;
+    only the index recorded in the manifest differs."""
     second = tmp_path / "topk1"
     shutil.copytree(trainer_teacher, second)
     manifest = json.loads((second / "manifest.json").read_text())
     manifest["config"]["teacher_index"] = 1
     (second / "manifest.json").write_text(json.dumps(manifest))
+    return second
+
+
+@pytest.mark.slow
+def test_two_teachers_are_weighted_and_counted_apart(trainer_data, trainer_teacher, csd_run, tmp_path):
+    second = second_teacher(trainer_teacher, tmp_path)
     output = tmp_path / "run"
     train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
                           "--kd-teachers", "0:1.0,1:0.5", "--steps", "1")))
@@ -116,3 +121,18 @@ def test_two_teachers_are_weighted_and_counted_apart(trainer_data, trainer_teach
     assert row["teacher1_kd"] == pytest.approx(row["teacher0_kd"], rel=1e-12)
     assert row["kd"] == pytest.approx(1.5 * single["kd"], rel=1e-6)  # KD = 1.0 KD_0 + 0.5 KD_1
     assert row["ce"] == single["ce"] and row["chunks_1to1"] == 2 * single["chunks_1to1"]
+
+
+@pytest.mark.slow
+def test_two_teachers_selected_per_group(trainer_data, trainer_teacher, csd_run, tmp_path):
+    """--kd-combine select with two identical teachers: every group ties, so teacher 0 is chosen everywhere
+    and KD is the single teacher's (one mean over the kept chunks), not the sum's 2 KD."""
+    second = second_teacher(trainer_teacher, tmp_path)
+    output = tmp_path / "run"
+    train(parse_args(args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
+                          "--kd-combine", "select", "--steps", "1")))
+    row, single = metrics(output)[0], metrics(csd_run)[0]
+    chunks = sum(single[f"chunks_{key}"] for key in ("1to1", "1toN", "Mto1", "MtoN"))
+    assert (row["teacher0_chunks"], row["teacher1_chunks"]) == (chunks, 0)
+    assert (row["teacher0_share"], row["teacher1_share"]) == (1.0, 0.0)
+    assert row["kd"] == pytest.approx(single["kd"], rel=1e-6) and row["ce"] == single["ce"]
