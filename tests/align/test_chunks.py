@@ -271,8 +271,8 @@ def awkward_texts():
 
 @cache
 def aligner(student: str, teacher: str, max_tokens: int = 4096):
-    from csd_pipeline.fixtures.names import tokenizer_path
     from csd_pipeline.align.text_mode import TextAligner
+    from csd_pipeline.fixtures.names import tokenizer_path
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     s = load_tokenizer(str(tokenizer_path(student)))

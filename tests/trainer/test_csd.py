@@ -129,7 +129,7 @@ def test_two_teachers_selected_per_group(trainer_data, trainer_teacher, csd_run,
     and KD is the single teacher's (one mean over the kept chunks), not the sum's 2 KD."""
     second = second_teacher(trainer_teacher, tmp_path)
     output = tmp_path / "run"
-    train(parse_args(args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
+    train(parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--teacher-logits", str(second),
                           "--kd-combine", "select", "--steps", "1")))
     row, single = metrics(output)[0], metrics(csd_run)[0]
     chunks = sum(single[f"chunks_{key}"] for key in ("1to1", "1toN", "Mto1", "MtoN"))
