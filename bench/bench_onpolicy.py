@@ -20,10 +20,9 @@ distinct word 2-grams / all 2-grams of the samples, and held-out bits per byte o
 reference text (demo/corpus/devil-heldout.jsonl). Teacher tokens scored by teacher-logits are reported
 per arm.
 
-Divergence (`--divergence`, both arms): `kl` by default. With `reverse_kl`, a chunk whose stored teacher
-events carry all the teacher's mass (REST rounds to 0) makes KL(P_S||P_T) infinite wherever the student
-has REST mass, and csd-train skips the step: in a 5-step trial every off-policy step (reference text)
-was skipped, no on-policy step. Each run's skipped steps are reported (`skipped_steps`).
+Divergence (`--divergence`, both arms): `kl` by default (the demo's); `reverse_kl` is the usual
+on-policy choice (its teacher REST is floored, docs/TRAINING.md). Each run's skipped steps (a non-finite
+loss) are reported (`skipped_steps`).
 
 Seeds (`--seeds 0,1,2`): each seed trains both arms again from the same base (csd-train --seed, and the
 on-policy sampling seed); the held-out samples are drawn with one fixed seed. The summary gives, per arm
