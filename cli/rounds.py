@@ -19,7 +19,6 @@ from csd_pipeline.generate.rounds import RoundsConfig
 @config_option(RoundsConfig, "output", type=click.Path(file_okay=False))
 @config_option(RoundsConfig, "rounds")
 @config_option(RoundsConfig, "steps")
-@config_option(RoundsConfig, "mode")
 @config_option(RoundsConfig, "prompt_field")
 @config_option(RoundsConfig, "prompt_chars")
 @config_option(RoundsConfig, "max_new_tokens")

@@ -1,8 +1,7 @@
 """On-policy rounds: generate with the current student, align, teacher-logits, train, export; R times.
 
 Round r (1-based) writes `DIR/round-r/`: `generated/` (`csd-pipeline generate`), `aligned/`
-(`csd-pipeline align` of the samples: prompt/completion records in text mode, the written final
-assistant turn in chat mode (`--mode chat`); loss on what the student wrote only),
+(`csd-pipeline align` of the samples as prompt/completion records: loss on the completions only),
 `teacher/` (`csd-pipeline teacher-logits`) and `train/` (`csd-train --student <previous export>`, whose
 `train/export/` is the next round's student). Every step resumes from what is on disk (the stages
 from their markers, the trainer from its checkpoints) and a finished step is skipped, so re-running
@@ -31,9 +30,6 @@ class RoundsConfig:
     output: str = option(help="Output directory: round-1/, round-2/, ... (resumable).")
     rounds: int = option(2, "Number of rounds.")
     steps: int = option(50, "csd-train steps per round.")
-    mode: str = option("text", "text: text prompts, aligned as prompt/completion records; chat: chat records whose "
-                               "final assistant turn the student writes, aligned with `align --mode chat`.",
-                       choices=("text", "chat"))
     prompt_field: str = option("prompt", "The record field that holds the prompt.")
     prompt_chars: int = option(0, "When > 0: prompts are the first N characters of each document (see generate).")
     max_new_tokens: int = option(64, "Tokens the student writes per sample.")
@@ -71,13 +67,13 @@ def run_rounds(config: RoundsConfig, log=print) -> Path:
         seed = config.seed + r - 1
         log(f"== round {r}: student {student}")
         run_generate(GenerateConfig(
-            model=student, corpus=list(config.prompts), output=str(folder / "generated"), mode=config.mode,
+            model=student, corpus=list(config.prompts), output=str(folder / "generated"),
             prompt_field=config.prompt_field,
             prompt_chars=config.prompt_chars, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
             top_p=config.top_p, samples_per_prompt=config.samples_per_prompt, seed=seed, device=config.device), log=log)
         run_align(AlignConfig(
             corpus=[str(folder / "generated")], student_tokenizer=student, teacher_tokenizers=[config.teacher_tokenizer],
-            output=str(folder / "aligned"), mode=config.mode, max_student_tokens=config.max_student_tokens,
+            output=str(folder / "aligned"), max_student_tokens=config.max_student_tokens,
             max_teacher_tokens=[config.max_student_tokens], tables=tables), log=log)
         tables = tables or [tuple(str(folder / "aligned" / "tables" / "teacher0" / name) for name in (
             "student_to_teacher.safetensors", "teacher_to_student.safetensors"))]

@@ -65,4 +65,4 @@ def test_the_round_command_line(tmp_path):
     assert joined.endswith("--lr 1e-4 --batch-size 2")
     help_text = subprocess.run([sys.executable, "-m", "cli.main", "rounds", "--help"], cwd=REPO, capture_output=True,
                                text=True, check=True).stdout
-    assert "--mode [text|chat]" in help_text and "--train-arg" in help_text
+    assert "--train-arg" in help_text and "--prompt-chars" in help_text
