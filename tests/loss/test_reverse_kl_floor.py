@@ -16,7 +16,8 @@ def _one_chunk(teacher_logq) -> BatchEvents:
     i64 = lambda values: np.asarray(values, dtype=np.int64)  # noqa: E731
     empty = i64([])
     return BatchEvents(empty, empty, empty, i64([0, 0]), i64([0, 1]), i64([0, 1]), i64([0, 0]),
-                       np.asarray(teacher_logq, dtype=np.float64), i64([0]))
+                       np.asarray(teacher_logq, dtype=np.float64), i64([0]), chunk_student_start=i64([1]),
+                       chunk_student_len=i64([1]), chunk_teacher_loglik=np.asarray([math.log(0.75)]))
 
 
 @pytest.mark.parametrize("divergence", ["reverse_kl", "kl", "jsd"])
