@@ -157,3 +157,25 @@ def tiny_student(tmp_path_factory, fixtures_dir):
 
 
 # --------------------------------------------------------------------------------------------- end of small models section
+
+
+# The fast tier's budget (`make test-fast` under 2 minutes on 2 cores): these run in the slow tier only.
+# Each leaves a faster sibling of the same code path in the fast tier (named after the arrow).
+MOVED_TO_SLOW = {
+    "tests/loss/test_teacher_select.py::test_select_row_refuses_rows_of_different_lengths",  # -> test_choice_rules_and_ties
+    "tests/fixtures/test_fixtures.py::test_gemma3_converter_reproduces_transformers_ids",  # -> gemma3 vocabulary tests
+    "tests/fixtures/test_fixtures.py::test_gguf_reader_agrees_with_the_gguf_package",  # -> the converters' tests
+    "tests/vocab/test_vocabulary.py::test_added_token_round_trips_match_the_whole_tokenizer[gemma3+added]",  # -> [gemma3]
+    "tests/align/test_stage.py::test_ranks_split_the_work_and_any_rank_can_finalize",  # -> test_rows_match_the_reference
+    "tests/align/test_stage.py::test_several_teachers_and_the_identity_teacher",  # -> test_rows_match_the_reference
+    "tests/align/test_chat.py::test_align_chat_cli_and_inspect",  # -> the in-process chat align tests
+    "tests/align/test_chat.py::test_faq_mask_is_final_answer_plus_end_of_turn[qwen2-None-<|im_end|>]",  # -> other pairs
+    "tests/align/test_chat.py::test_align_chat_cli_refuses_unsupported_combinations[extra3-render <think> blocks]",
+    "tests/align/test_chat.py::test_renderings_that_disagree_are_refused_and_counted",  # -> test_faq_rendering_matches...
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in MOVED_TO_SLOW:
+            item.add_marker(pytest.mark.slow)
