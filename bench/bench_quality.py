@@ -106,16 +106,21 @@ TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "2", "--lr", "3e-3", "--
               "--workers", "1", "progress=false"]
 
 
-def _env() -> dict:
-    """This checkout's code first, whatever the installed console scripts point at."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+def _env(threads: int | None = None) -> dict:
+    """This checkout's code first, whatever the installed console scripts point at; `threads` caps torch's
+    intra-op threads (parallel runs on a small machine must not oversubscribe its cores)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
-def run(cmd: list, log: Path) -> None:
+def run(cmd: list, log: Path, threads: int | None = None) -> None:
     with log.open("a") as handle:
         handle.write("$ " + " ".join(map(str, cmd)) + "\n")
         handle.flush()
-        result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=_env())
+        result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                                env=_env(threads))
     if result.returncode != 0:
         raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
 
@@ -147,20 +152,26 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path) -> dict:
+def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path,
+              threads: int | None = None) -> dict:
+    """One training run; with `threads` (runs side by side) its output goes to its own log beside the run."""
     teacher = dirs[_store_name(TOP_P_STORES[arm])] if arm in TOP_P_STORES else dirs["teacher"]
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
     shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
+    if threads:
+        log = target.with_name(target.name + ".log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", teacher,
          "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"], "--eval-every", max(steps // EVAL_POINTS, 1),
-         "--warmup-steps", min(WARMUP_STEPS, steps // 4), *TRAIN_ARGS, *ARMS[arm]], log)
+         "--warmup-steps", min(WARMUP_STEPS, steps // 4), *TRAIN_ARGS, *ARMS[arm]], log, threads)
     evals = _read_jsonl(target / "eval.jsonl")
     final = [e for e in evals if e.get("step") == steps] or evals
     tail = _read_jsonl(target / "metrics.jsonl")[-10:]
     record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
-              "seconds": time.perf_counter() - started, "args": ARMS[arm],
+              "seconds": time.perf_counter() - started, "args": ARMS[arm], "threads": threads,
               "curve": [[e["step"], e["bits_per_byte"]] for e in evals]}
     for key in ("teacher_event_mass", "student_rest_mass", "events_per_chunk", "ce", "kd", "grad_norm", "step_time_s"):
         values = [float(m[key]) for m in tail if m.get(key) is not None]
@@ -264,8 +275,24 @@ def comparison_finalists(rows: list[dict]) -> list[str]:
     return finals
 
 
+def _train_plan(regime: str, plan: list, dirs: dict, out: Path, steps: int, log: Path, jobs: int):
+    """Yield each (arm, seed) run's record as it finishes; `jobs` > 1 runs that many side by side, each with
+    cores // jobs torch threads (two runs that each take every core are ~10x slower on 2 cores)."""
+    if jobs <= 1:
+        for arm, seed in plan:
+            yield train_arm(regime, arm, seed, dirs, out, steps, log)
+        return
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(train_arm, regime, arm, seed, dirs, out, steps, log, threads) for arm, seed in plan]
+        for future in as_completed(futures):
+            yield future.result()
+
+
 def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: Path,
-                   arms: list[str] | None = None, seeds: list[int] | None = None) -> None:
+                   arms: list[str] | None = None, seeds: list[int] | None = None, jobs: int = 1) -> None:
     """Every COMPARISON_ARMS arm with seed 0, then the finalists with COMPARISON_SEEDS, per regime.
 
     With `arms` and/or `seeds` (a subset run): exactly those arms (default COMPARISON_ARMS) with those
@@ -279,14 +306,15 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
         teachers[regime] = teacher_score(dirs, log)
         rows: list[dict] = []
         plan = [(arm, s) for s in (seeds or [0]) for arm in (arms or COMPARISON_ARMS)]
-        while plan:
-            arm, seed = plan.pop(0)
-            rows.append(train_arm(regime, arm, seed, dirs, out, steps, log))
-            _save(results + rows, teachers, path, not subset)
-            print(f"[comparison] {regime:<13} {arm:<{ARM_WIDTH}} seed {seed}: {rows[-1]['bits_per_byte']:.4f} bits/byte "
-                  f"({rows[-1]['seconds']:.0f} s)", flush=True)
-            if not subset and not plan and all(r["seed"] == 0 for r in rows):  # quick: the second stage, one seed
-                plan = [(arm, s) for s in COMPARISON_SEEDS[:1 if quick else None] for arm in comparison_finalists(rows)]
+        for stage in range(2):  # seed 0 of every arm, then (a full run) the finalists with COMPARISON_SEEDS
+            for record in _train_plan(regime, plan, dirs, out, steps, log, jobs):
+                rows.append(record)
+                _save(results + rows, teachers, path, not subset)
+                print(f"[comparison] {regime:<13} {record['arm']:<{ARM_WIDTH}} seed {record['seed']}: "
+                      f"{record['bits_per_byte']:.4f} bits/byte ({record['seconds']:.0f} s)", flush=True)
+            if subset or stage:
+                break
+            plan = [(arm, s) for s in COMPARISON_SEEDS[:1 if quick else None] for arm in comparison_finalists(rows)]
         results.extend(rows)
     _save(results, teachers, path, not subset)
 
@@ -330,6 +358,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", help="comma-separated seeds to run every chosen arm with (default: seed 0, "
                         "then ce and the best arm with seed 1)")
     parser.add_argument("--quick", action="store_true", help="20 steps per arm (a smoke run, not a measurement; writes quality-quick.*)")
+    parser.add_argument("--jobs", type=int, default=1, help="--comparison: runs side by side, each with "
+                        "cores/jobs torch threads (2 on 2 cores gives more runs per hour than 1; default 1)")
     parser.add_argument("--comparison", action="store_true", help="CSD against ULD, GOLD, strict and the shuffled "
                         "control (COMPARISON_ARMS, three seeds for the finalists; writes comparison.json)")
     args = parser.parse_args(argv)
@@ -345,7 +375,9 @@ def main(argv: list[str]) -> int:
         seeds = _parse_seeds(parser, args.seeds) if args.seeds else None
         path = results_dir / ("comparison-quick.json" if args.quick else "comparison.json")
         started = time.perf_counter()
-        run_comparison(args.regime or list(REGIMES), args.quick, out, log, path, arms, seeds)
+        if args.jobs < 1:
+            parser.error(f"--jobs: {args.jobs} must be at least 1")
+        run_comparison(args.regime or list(REGIMES), args.quick, out, log, path, arms, seeds, args.jobs)
         merged = json.loads(path.read_text())
         print_comparison(merged["results"], merged["teacher_bits_per_byte"])
         print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {path}")
