@@ -31,7 +31,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 CORPUS_FILE = "botchan.txt"
-CORPUS_HELP = f"folder holding {CORPUS_FILE} (default: the committed slice)"
 SLICE = ROOT / "tests" / "data" / "botchan-slice.txt"
 LIMIT_CSD_OVER_CE = 1.2
 LIMIT_DATA_OVER_STEP = 3.0
@@ -176,15 +175,7 @@ def run(quick: bool = False, corpus: Path | None = None) -> dict:
     return {"name": "train", "metrics": metrics, "checks": checks}
 
 
-def _options(argv: list[str]):
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
-    parser.add_argument("--corpus", type=Path, default=None, help=CORPUS_HELP)
-    return parser.parse_args(argv)
-
-
 if __name__ == "__main__":
-    args = _options(sys.argv[1:])
-    print(json.dumps(run(quick=args.quick, corpus=args.corpus), indent=2))
+    from bench.command_line import run_alone
+
+    run_alone(run, __doc__, CORPUS_FILE, sys.argv[1:])

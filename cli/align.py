@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, placement_options, values_for
-from cli.outputs import echo_run_report
+from cli.options import config_option, placement_options
+from cli.outputs import run_stage_command
 from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.runtime.options import MIB
 
@@ -49,19 +49,11 @@ def _table_pairs(ctx, param, pairs):
 @config_option(AlignConfig, "drop_first_assistant_chunk")
 @config_option(AlignConfig, "trust_remote_code")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
-def align(workers, rank, world_size, quiet, **options):
+def align(**options):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""
     from csd_pipeline.align.stage import run_align
-    from csd_pipeline.runtime.progress import set_quiet
 
-    config = AlignConfig(**values_for(AlignConfig, options))
-    log = None if quiet else (lambda message: click.echo(message, err=True))
-    set_quiet(quiet)
-    report = run_align(config, rank=rank, world_size=world_size, workers=workers, log=log)
-    if report.complete:
-        _refuse_empty(config.output)
-    if not quiet:
-        echo_run_report(config.output, report)
+    run_stage_command(AlignConfig, run_align, options, on_complete=_refuse_empty)
 
 
 def _refuse_empty(output) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, placement_options, values_for
-from cli.outputs import echo_run_report
+from cli.options import config_option, placement_options
+from cli.outputs import run_stage_command
 from csd_pipeline.generate.config import GenerateConfig
 
 
@@ -35,15 +35,9 @@ from csd_pipeline.generate.config import GenerateConfig
                    "process", "processes")
 @config_option(GenerateConfig, "trust_remote_code")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
-def generate(workers, rank, world_size, quiet, **options):
+def generate(**options):
     """Sample completions from the student for every prompt (docs/ONPOLICY.md); re-running resumes, and the
     output folder is a corpus for `csd-pipeline align`."""
     from csd_pipeline.generate.stage import run_generate
-    from csd_pipeline.runtime.progress import set_quiet
 
-    config = GenerateConfig(**values_for(GenerateConfig, options))
-    log = None if quiet else (lambda message: click.echo(message, err=True))
-    set_quiet(quiet)
-    report = run_generate(config, rank=rank, world_size=world_size, workers=workers, log=log)
-    if not quiet:
-        echo_run_report(config.output, report)
+    run_stage_command(GenerateConfig, run_generate, options)

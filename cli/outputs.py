@@ -1,10 +1,16 @@
-"""`csd-pipeline status DIR` and `csd-pipeline inspect DIR`: generic over stage outputs."""
+"""`csd-pipeline status DIR` and `csd-pipeline inspect DIR`: generic over stage outputs.
+
+Also what every stage command (align, teacher-logits, generate) does once its options are parsed:
+`run_stage_command`, which ends with `echo_run_report`.
+"""
 
 from __future__ import annotations
 
 import json
 
 import click
+
+from cli.options import values_for
 
 
 @click.command()
@@ -52,6 +58,23 @@ def inspect(directory, as_json):
             click.echo(f"{key}: {json.dumps(report[key], sort_keys=True)}")
     for line in source_lines(report.get("sources", [])):
         click.echo(line)
+
+
+def run_stage_command(config_cls, run, options: dict, on_complete=None) -> None:
+    """Build `config_cls` from a stage command's parsed `options`, `run(config, rank=, world_size=, workers=,
+    log=)` for this rank (progress on stderr unless --quiet), call `on_complete(config.output)` when the
+    output is complete, then (unless --quiet) say where the run stands (`echo_run_report`)."""
+    from csd_pipeline.runtime.progress import set_quiet
+
+    quiet = options["quiet"]
+    config = config_cls(**values_for(config_cls, options))
+    log = None if quiet else (lambda message: click.echo(message, err=True))
+    set_quiet(quiet)
+    report = run(config, rank=options["rank"], world_size=options["world_size"], workers=options["workers"], log=log)
+    if report.complete and on_complete is not None:
+        on_complete(config.output)
+    if not quiet:
+        echo_run_report(config.output, report)
 
 
 def echo_run_report(output, report) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, placement_options, values_for
-from cli.outputs import echo_run_report
+from cli.options import config_option, placement_options
+from cli.outputs import run_stage_command
 from csd_pipeline.teacher.config import TeacherLogitsConfig
 
 
@@ -30,15 +30,9 @@ from csd_pipeline.teacher.config import TeacherLogitsConfig
                    "process", "processes")
 @config_option(TeacherLogitsConfig, "trust_remote_code")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
-def teacher_logits(workers, rank, world_size, quiet, **options):
+def teacher_logits(**options):
     """Store the teacher's top-k log-probabilities for every aligned teacher position (SPEC §6); re-running
     resumes, and `torchrun --nproc-per-node N` splits the shards over N processes."""
-    from csd_pipeline.runtime.progress import set_quiet
     from csd_pipeline.teacher.stage import run_teacher_logits
 
-    config = TeacherLogitsConfig(**values_for(TeacherLogitsConfig, options))
-    log = None if quiet else (lambda message: click.echo(message, err=True))
-    set_quiet(quiet)
-    report = run_teacher_logits(config, rank=rank, world_size=world_size, workers=workers, log=log)
-    if not quiet:
-        echo_run_report(config.output, report)
+    run_stage_command(TeacherLogitsConfig, run_teacher_logits, options)

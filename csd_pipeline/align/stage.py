@@ -21,7 +21,7 @@ from pathlib import Path
 from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.align.shard_writer import AlignShardWriter, AlignTokenizers
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.executor import Placement, ShardTask, Stage, run_stage, shard_name
+from csd_pipeline.runtime.executor import ShardTask, Stage, run_configured, shard_name
 from schemas.aligned import SCHEMA_VERSION, STAGE
 
 TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")
@@ -35,9 +35,8 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     bad option, a missing corpus path, an unsupported tokenizer, tables that do not match the
     tokenizers, or an output directory holding another run.
     """
-    config.validate()
-    placement = Placement.resolve(rank, world_size, workers)
-    return run_stage(AlignStage(config, tokenizers), placement, log=log)
+    return run_configured(config, lambda: AlignStage(config, tokenizers), rank=rank, world_size=world_size,
+                          workers=workers, log=log)
 
 
 class AlignStage(Stage):

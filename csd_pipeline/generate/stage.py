@@ -27,12 +27,11 @@ from pathlib import Path
 from csd_pipeline.errors import CsdError
 from csd_pipeline.generate.config import GenerateConfig
 from csd_pipeline.runtime.executor import (
-    Placement,
     ShardResult,
     ShardTask,
     Stage,
     check_output_dir,
-    run_stage,
+    run_configured,
     shard_name,
 )
 
@@ -44,9 +43,8 @@ WHITESPACE = " \t\r\n\f\v"
 def run_generate(config: GenerateConfig, *, rank: int | None = None, world_size: int | None = None, workers: int = 1,
                  log=None):
     """Run (or resume) the generate stage for this rank; returns the executor's `RunReport`."""
-    config.validate()
-    placement = Placement.resolve(rank, world_size, workers)
-    return run_stage(GenerateStage(config, log), placement, log=log)
+    return run_configured(config, lambda: GenerateStage(config, log), rank=rank, world_size=world_size,
+                          workers=workers, log=log)
 
 
 class GenerateStage(Stage):

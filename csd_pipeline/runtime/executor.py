@@ -18,6 +18,9 @@ file's input) and its shard writer. `run_stage(stage, placement)`:
 
 Shard bytes must depend only on the task's spec, never on rank, worker count or timing; the
 manifest holds no timestamps or worker counts, so it is byte-identical too.
+
+A stage's entry point (`run_align`, ...) is `run_configured(config, build, ...)`: it validates the
+config and the placement before `build()` loads anything, then calls `run_stage`.
 """
 
 from __future__ import annotations
@@ -206,6 +209,16 @@ def check_output_dir(out: Path) -> None:
     except OSError as err:  # a read-only disk, a path under a file, no permission
         reason, advice = reason_and_advice(err)
         raise CsdError(f"--output {out} is not writable ({reason}); {advice}") from None
+
+
+def run_configured(config, build: Callable[[], Stage], *, rank: int | None = None, world_size: int | None = None,
+                   workers: int = 1, log: Callable[[str], None] | None = None) -> RunReport:
+    """What a stage's entry point (`run_align`, `run_teacher_logits`, `run_generate`) does: validate
+    `config` and resolve this process's `Placement` (both before anything is loaded), then `build()`
+    the stage and run it (`run_stage`). Raises `CsdError` for a bad option or placement."""
+    config.validate()
+    placement = Placement.resolve(rank, world_size, workers)
+    return run_stage(build(), placement, log=log)
 
 
 def run_stage(stage: Stage, placement: Placement | None = None, *,

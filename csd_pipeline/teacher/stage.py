@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.executor import Placement, ShardTask, Stage, check_output_dir, run_stage
+from csd_pipeline.runtime.executor import ShardTask, Stage, check_output_dir, run_configured
 from csd_pipeline.teacher.config import TeacherLogitsConfig
 from csd_pipeline.teacher.shard_writer import TeacherShardWriter, deterministic_torch
 from schemas.teacher_topk import SCHEMA_VERSION, STAGE
@@ -37,9 +37,8 @@ def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, 
     Raises CsdError for a bad option, an aligned directory without a (known) manifest, a teacher
     that does not match the aligned teacher tokenizer, or an unwritable output directory.
     """
-    config.validate()
-    placement = Placement.resolve(rank, world_size, workers)
-    return run_stage(TeacherLogitsStage(config, log), placement, log=log)
+    return run_configured(config, lambda: TeacherLogitsStage(config, log), rank=rank, world_size=world_size,
+                          workers=workers, log=log)
 
 
 class TeacherLogitsStage(Stage):

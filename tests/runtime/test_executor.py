@@ -18,6 +18,7 @@ from csd_pipeline.runtime.executor import (
     ShardTask,
     Stage,
     resolve_rank,
+    run_configured,
     run_stage,
     shard_name,
 )
@@ -198,3 +199,44 @@ def test_resolve_rank_from_flags_and_environment(monkeypatch):
         resolve_rank(4, 4)
     with pytest.raises(CsdError, match="--workers 0"):
         Placement.resolve(workers=0)
+
+
+class ToyConfig:
+    """A config whose `validate` refuses a negative offset, as the stage configs refuse bad options."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+
+    def validate(self) -> None:
+        if self.offset < 0:
+            raise CsdError(f"--offset {self.offset} is negative; pass 0 or more.")
+
+
+def test_an_entry_point_checks_config_and_placement_before_it_builds_the_stage(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    built = []
+
+    def build(config, out):
+        def make() -> ToyStage:
+            built.append(out)
+            return make_stage(out, config.offset)
+        return make
+
+    with pytest.raises(CsdError, match="--offset -1"):
+        run_configured(ToyConfig(-1), build(ToyConfig(-1), tmp_path / "bad"), workers=0)  # the config first
+    with pytest.raises(CsdError, match="--workers 0"):
+        run_configured(ToyConfig(1), build(ToyConfig(1), tmp_path / "bad"), workers=0)
+    with pytest.raises(CsdError, match="out of range"):
+        run_configured(ToyConfig(1), build(ToyConfig(1), tmp_path / "bad"), rank=2, world_size=2)
+    assert built == [] and not (tmp_path / "bad").exists()
+    out = tmp_path / "out"
+    first = run_configured(ToyConfig(1), build(ToyConfig(1), out), rank=1, world_size=2, workers=2)
+    assert (first.rank, first.world_size, first.complete) == (1, 2, False)
+    assert first.processed == [shard_name(1, 1), shard_name(1, 3)]
+    last = run_configured(ToyConfig(1), build(ToyConfig(1), out), rank=0, world_size=2)
+    assert last.complete and built == [out, out]
+    whole = tmp_path / "whole"
+    run_stage(make_stage(whole, 1), rank(0, 2), log=lambda m: None)
+    run_stage(make_stage(whole, 1), rank(1, 2), log=lambda m: None)
+    assert tree_bytes(out) == tree_bytes(whole)
