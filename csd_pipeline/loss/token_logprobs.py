@@ -140,20 +140,18 @@ def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, keep_by
 def _chunk_softmax_grads(ctx, index, a, b, lo, hi, hidden, weight, unique_pos, lse, g_row, acc):
     """Yield (d, (a, b, lo, hi)) for chunk `index`: d = -softmax * g_row of rows a..b-1, built in place,
     from the kept chunk when the forward kept it, else from recomputed logits. A 16-bit kept chunk
-    comes back in row blocks no larger than itself."""
+    comes back in row blocks no larger than itself. No local names a yielded d (the caller frees it)."""
     kept = ctx.kept.pop(index, None)
     if kept is None:
-        d = _chunk_logits(hidden[unique_pos[a:b]], weight, acc)
-        yield d.sub_(lse[a:b, None]).exp_().mul_(-g_row[a:b, None]), (a, b, lo, hi)
+        yield _chunk_logits(hidden[unique_pos[a:b]], weight, acc).sub_(lse[a:b, None]).exp_().mul_(
+            -g_row[a:b, None]), (a, b, lo, hi)
     elif isinstance(kept, tuple):  # exp(logits - row max) and its row sums, from the forward: softmax = e / sum
-        d, total = kept
-        yield d.mul_((-g_row[a:b] / total)[:, None]), (a, b, lo, hi)
+        scale = (-g_row[a:b] / kept[1])[:, None]
+        yield kept[0].mul_(scale), (a, b, lo, hi)
     else:  # 16-bit log-probabilities
         block = max(1, (b - a) * kept.element_size() // lse.element_size())
         for a2, b2, lo2, hi2 in _row_blocks(ctx.ends, a, b, block):
-            d = kept[a2 - a : b2 - a].to(acc)
-            yield d.exp_().mul_(-g_row[a2:b2, None]), (a2, b2, lo2, hi2)
-        del kept
+            yield kept[a2 - a : b2 - a].to(acc).exp_().mul_(-g_row[a2:b2, None]), (a2, b2, lo2, hi2)
 
 
 def _chunked_backward(ctx, grad_out):
