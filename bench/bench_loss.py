@@ -12,7 +12,7 @@
   reference, once with none kept. Runs alternate naive and chunked so that a shared machine's load
   falls on all; every time is reported and the best of each counts. The CPU seconds of the same runs
   (every thread) are reported too: on a shared machine they move less than the wall time.
-  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's size; about 4 minutes on 2 idle cores,
+  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's size; about 6 minutes on 2 idle cores,
   7.5 GB of memory for the naive run); quick: P = 1,024, H = 256. Checks: chunked peak <= 30% of
   naive; chunked time <= 1.2x naive, for float32 and for float16 kept logits.
 - Gradient error of the kept 16-bit log-probabilities: the LM head's and the hidden states'

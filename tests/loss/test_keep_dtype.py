@@ -82,16 +82,17 @@ def test_16bit_kept_gradients_within_the_representation_bound(p, v, g, chunk, sc
 @pytest.mark.parametrize("keep_dtype", ["float16", "bfloat16"])
 def test_16bit_kept_near_one_and_tiny_probabilities(keep_dtype):
     """LM head = identity, so the gradient of h is the gradient of the logits, entry by entry:
-    positions with p = 1 - 1e-9 (where d = g (1 - p) cancels), p ~ 1e-4 (log p in float16's
-    subnormal range), and probabilities down to e^-700; each entry stays within its bound, the
-    cancelling one within a relative 1e-6, and the rounding is really there (16-bit, not float32)."""
+    positions with p = 1 - 8e-9 (where d = g (1 - p) cancels), p = 1 - 1e-15 (log p in float16's
+    subnormal range), 0.997, and probabilities down to e^-489; each entry stays within its bound,
+    the cancelling ones within a small relative error, and the rounding is really there (16-bit,
+    not float32)."""
     v = 64
     gen = torch.Generator().manual_seed(7)
     h = torch.randn(6, v, generator=gen, dtype=torch.float64)
-    h[0, 3] += 22.0  # p(3) ~ 1 - 63 e^-22 ~ 1 - 2e-8
-    h[1, 5] += 40.0  # p(5) ~ 1 - 1e-15, 1 - p in float16 subnormals of log p
-    h[2] *= 100.0  # probabilities down to ~e^-700
-    h[3, 9] += 9.0  # p(9) ~ 0.99
+    h[0, 3] += 22.0  # p(3) = 1 - 7.6e-9
+    h[1, 5] += 40.0  # p(5) = 1 - 1.3e-15: log p a float16 subnormal
+    h[2] *= 100.0  # probabilities down to e^-489
+    h[3, 9] += 9.0  # p(9) = 0.997
     w = torch.eye(v, dtype=torch.float64)
     pos = torch.tensor([0, 0, 1, 2, 2, 3, 4, 5, 5])
     tok = torch.tensor([3, 7, 5, 0, int(h[2].argmax()), 9, 1, 2, 2])
