@@ -108,6 +108,7 @@ def test_16bit_kept_near_one_and_tiny_probabilities(keep_dtype):
     assert float(err.max()) > 0  # the 16-bit rounding happened
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_dtype", ["float16", "bfloat16"])
 def test_16bit_kept_csd_loss_against_the_float64_reference(case_of, keep_dtype):
     """CE + CSD on real llama-bpe / qwen2 rows (top-k teacher): loss equal to the float64 reference;
