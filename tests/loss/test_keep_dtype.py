@@ -110,7 +110,7 @@ def test_16bit_kept_near_one_and_tiny_probabilities(keep_dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("keep_dtype", ["float16", "bfloat16"])
-def test_16bit_kept_csd_loss_against_the_float64_reference(case_of, keep_dtype):
+def test_16bit_kept_csd_loss_against_the_float64_reference(case_of, keep_dtype):  # noqa: F811 (the fixture)
     """CE + CSD on real llama-bpe / qwen2 rows (top-k teacher): loss equal to the float64 reference;
     gradients within the bound, G of each position read off the reference's logits gradient."""
     case: Case = case_of("llama-bpe/qwen2")
