@@ -7,13 +7,22 @@
   (`profile_memory=True`): the peak of the bytes held at once above the inputs, gradients
   included. The chunked path runs with chunks of about 2^25 logits (261 positions at V = 128,256)
   and keeps KEEP_SHARE of the batch's [P, V] float32 logits from the forward for the backward
-  (`--loss-keep-mb`: at the full size 668 MiB, which holds 5 of the 16 chunks), and, for reference,
-  once with none kept. Rounds alternate naive and chunked so that a shared machine's load falls
-  on both; every time is reported and the best of each counts. The CPU seconds of the same runs
+  (`--loss-keep-mb`: at the full size 668 MiB, which holds 5 of the 16 chunks), the same budget
+  holding float16 log-probabilities (`--loss-keep-dtype float16`: 10 of the 16 chunks), and, for
+  reference, once with none kept. Runs alternate naive and chunked so that a shared machine's load
+  falls on all; every time is reported and the best of each counts. The CPU seconds of the same runs
   (every thread) are reported too: on a shared machine they move less than the wall time.
-  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's size; about 4 minutes on 2 idle cores,
+  Full run: V = 128,256, P = 4,096, H = 2,048 (the issue's size; about 6 minutes on 2 idle cores,
   7.5 GB of memory for the naive run); quick: P = 1,024, H = 256. Checks: chunked peak <= 30% of
-  naive; chunked time <= 1.2x naive.
+  naive; chunked time <= 1.2x naive, for float32 and for float16 kept logits.
+- Gradient error of the kept 16-bit log-probabilities: the LM head's and the hidden states'
+  gradients of CE + CSD from the chunked path in float32 (none kept, float32 kept, float16 kept,
+  bfloat16 kept) against the same path in float64 (the tests hold it to dense float64 autograd
+  within 1e-12), at P = 1,024, H = 512, V = 128,256 (quick: P = 256, H = 256) with the memory
+  benchmark's inputs (near-uniform softmax, entropy close to log V: the worst case for the 16-bit
+  bound) and with the hidden states scaled 40x (peaked, as in a trained model): the Frobenius
+  norm of the error over that of the gradient, and the largest element error over the largest
+  gradient element.
 - CE + CSD vs plain CE, both through the chunked path (the same share kept), forward+backward,
   interleaved repeats, best of each. Check: ratio <= 1.5.
 - Events: building the events of the same rows (real llama-bpe / qwen2 alignment of real text,
@@ -139,11 +148,12 @@ def _build_events(positions: int, quick: bool) -> tuple[dict, dict]:
     return arrays, info
 
 
-def _worker(variant: str, events_path: str, positions: int, hidden: int, repeats: int = 1, keep_mb: float = 0.0) -> dict:
+def _worker(variant: str, events_path: str, positions: int, hidden: int, repeats: int = 1, keep_mb: float = 0.0,
+            keep_dtype: str = "float32") -> dict:
     cmd = [
         sys.executable, str(ROOT / "bench" / "loss_peak_worker.py"), "--variant", variant, "--events", events_path,
         "--positions", str(positions), "--vocab", str(VOCAB), "--hidden", str(hidden), "--repeats", str(repeats),
-        "--keep-mb", str(keep_mb),
+        "--keep-mb", str(keep_mb), "--keep-dtype", keep_dtype,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
@@ -190,16 +200,17 @@ def run(quick: bool = False) -> dict:
         speed_path = str(Path(tmp) / "events-speed.npz")
         np.savez(speed_path, **speed_arrays)
 
-        variants = {"naive": ("naive", 0.0), "chunked": ("chunked", keep_mb), "chunked_keep0": ("chunked", 0.0)}
-        # naive, chunked, chunked_keep0, then chunked, naive: the two compared paths alternate
-        # (a busy machine slows both alike); keeping nothing is measured once, for its memory.
-        order = ["naive", "chunked", "chunked_keep0", "chunked", "naive"]
+        variants = {"naive": ("naive", 0.0, "float32"), "chunked": ("chunked", keep_mb, "float32"),
+                    "chunked_f16": ("chunked", keep_mb, "float16"), "chunked_keep0": ("chunked", 0.0, "float32")}
+        # The compared paths alternate (a busy machine slows all alike); keeping nothing is
+        # measured once, for its memory.
+        order = ["naive", "chunked", "chunked_f16", "chunked_keep0", "chunked_f16", "chunked", "naive"]
         runs: dict = {name: [] for name in variants}
         loads: dict = {name: [] for name in variants}
         for name in order:
-            variant, keep = variants[name]
+            variant, keep, keep_dtype = variants[name]
             loads[name].append(round(_load(), 2))
-            runs[name].append(_worker(variant, mem_path, mem_tokens, mem_hidden, keep_mb=keep))
+            runs[name].append(_worker(variant, mem_path, mem_tokens, mem_hidden, keep_mb=keep, keep_dtype=keep_dtype))
         ce_best, csd_best = [], []
         for _ in range(2 if quick else 3):  # interleaved, so both see the same machine load
             ce_best += _worker("ce", speed_path, speed_positions, speed_hidden, repeats=2, keep_mb=speed_keep_mb)["seconds"]
@@ -211,6 +222,8 @@ def run(quick: bool = False) -> dict:
     peak = {name: max(r["peak_above_inputs_bytes"] for r in results) for name, results in runs.items()}
     memory_ratio = peak["chunked"] / peak["naive"]
     time_ratio = best["chunked"] / best["naive"]
+    memory_ratio_f16 = peak["chunked_f16"] / peak["naive"]
+    time_ratio_f16 = best["chunked_f16"] / best["naive"]
     speed_ratio = min(csd_best) / min(ce_best)
     events_share = info["events_cpu_s"] / best["chunked"]
     metrics.update(
@@ -225,6 +238,10 @@ def run(quick: bool = False) -> dict:
         naive_peak_above_inputs_mib=peak["naive"] / mib,
         chunked_peak_above_inputs_mib=peak["chunked"] / mib,
         chunked_keep0_peak_above_inputs_mib=peak["chunked_keep0"] / mib,
+        chunked_f16_peak_above_inputs_mib=peak["chunked_f16"] / mib,
+        chunked_f16_kept_chunks=min(n_chunks, int(keep_mb * (1 << 20)) // (chunk_bytes // 2)),
+        chunked_f16_fwd_bwd_s=best["chunked_f16"],
+        chunked_f16_over_naive_cpu_time=best_cpu["chunked_f16"] / best_cpu["naive"],
         naive_fwd_bwd_s=best["naive"],
         chunked_fwd_bwd_s=best["chunked"],
         chunked_keep0_fwd_bwd_s=best["chunked_keep0"],
@@ -239,15 +256,27 @@ def run(quick: bool = False) -> dict:
         events_build_cpu_s=info["events_cpu_s"],
         events_tokens_per_s=mem_tokens / max(info["events_cpu_s"], 1e-9),
         loss_chunked_vs_naive=abs(runs["chunked"][0]["loss"] - runs["naive"][0]["loss"]),
+        grad_error_vs_float64=_gradient_errors(quick),
         load_average_end=_load(),
     )
     checks = {
         "peak_memory_chunked_over_naive": {"value": memory_ratio, "limit": 0.30, "ok": memory_ratio <= 0.30},
         "fwd_bwd_chunked_over_naive": {"value": time_ratio, "limit": 1.2, "ok": time_ratio <= 1.2},
+        "peak_memory_chunked_f16_over_naive": {"value": memory_ratio_f16, "limit": 0.30, "ok": memory_ratio_f16 <= 0.30},
+        "fwd_bwd_chunked_f16_over_naive": {"value": time_ratio_f16, "limit": 1.2, "ok": time_ratio_f16 <= 1.2},
         "fwd_bwd_ce_csd_over_ce": {"value": speed_ratio, "limit": 1.5, "ok": speed_ratio <= 1.5},
         "events_build_over_loss_step": {"value": events_share, "limit": 1 / 3, "ok": events_share <= 1 / 3},
     }
     return {"name": "loss", "metrics": metrics, "checks": checks}
+
+
+def _gradient_errors(quick: bool) -> dict:
+    """Error of the chunked path's gradients in float32, per kept-logits dtype, against float64."""
+    done = subprocess.run([sys.executable, __file__, "--grad-error", "256" if quick else "1024", "256" if quick else "512"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        raise RuntimeError(f"the gradient error check failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _cut_events(arrays: dict, positions: int):
@@ -292,5 +321,9 @@ def _build_events_main(path: str, positions: int) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--build-events":
         _build_events_main(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "--grad-error":
+        from bench.loss_grad_error import gradient_errors
+
+        print(json.dumps(gradient_errors(int(sys.argv[2]), int(sys.argv[3]), VOCAB)))
     else:
         print(json.dumps(run(quick="--quick" in sys.argv), indent=2, default=float))

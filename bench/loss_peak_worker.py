@@ -1,7 +1,8 @@
 """One loss forward+backward in its own process: its allocations and its time (bench_loss).
 
     python bench/loss_peak_worker.py --variant chunked|naive|ce --events EVENTS.npz \
-        --positions P --vocab V --hidden H [--chunk-size C] [--keep-mb M] [--repeats R] [--threads N]
+        --positions P --vocab V --hidden H [--chunk-size C] [--keep-mb M] \
+        [--keep-dtype float32|float16|bfloat16] [--repeats R] [--threads N] [--grad-out FILE.npz]
 
 The inputs (last hidden states [P, H] and LM head [V, H], float32, requiring grad) are created
 first. Then one forward+backward runs under `torch.profiler` with `profile_memory=True`: every
@@ -9,7 +10,9 @@ allocation and free of the step is recorded, and the peak of the bytes they hold
 inputs, gradients included) is the memory figure. It is timed as well, and `--repeats` - 1 more run
 without the profiler, each timed. Prints one JSON
 object: variant, peak bytes above the inputs, bytes still held after the step (the gradients), the
-chunk size and kept-logits budget used, the wall and CPU time of each timed run.
+chunk size and kept-logits budget used, the wall and CPU time of each timed run. `--grad-out` writes
+the loss and the gradients of the LM head and the hidden states (float32, .npz) for an error check
+against another variant (`bench_loss.py --grad-error`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, required=True)
     parser.add_argument("--chunk-size", type=int, default=None)
     parser.add_argument("--keep-mb", type=float, default=0.0, help="logits the chunked forward keeps for backward")
+    parser.add_argument("--keep-dtype", default="float32", help="how the kept logits are stored")
+    parser.add_argument("--grad-out", default=None, help="write the gradients to this .npz")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=0)
     args = parser.parse_args(argv)
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
         else:
             out = csd_loss(
                 hidden=hidden, weight=weight, ce_positions=ce_pos, ce_tokens=ce_tok, teachers=teachers,
-                chunk_size=args.chunk_size, keep_bytes=keep_bytes,
+                chunk_size=args.chunk_size, keep_bytes=keep_bytes, keep_dtype=args.keep_dtype,
             )
         out.loss.backward()
         losses.append(float(out.loss.detach()))
@@ -125,6 +130,12 @@ def main(argv=None) -> int:
         step()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - start_cpu)
+    if args.grad_out:
+        import numpy as np
+
+        tmp = args.grad_out + ".tmp.npz"
+        np.savez(tmp, loss=np.float64(losses[-1]), grad_weight=weight.grad.numpy(), grad_hidden=hidden.grad.numpy())
+        Path(tmp).replace(args.grad_out)
     print(json.dumps({
         "variant": args.variant,
         "peak_above_inputs_bytes": peak,
@@ -133,6 +144,7 @@ def main(argv=None) -> int:
         "inputs_bytes": (hidden.numel() + weight.numel()) * 4,
         "chunk_size": args.chunk_size or auto_chunk_size(args.vocab),
         "keep_bytes": keep_bytes,
+        "keep_dtype": args.keep_dtype,
         "threads": torch.get_num_threads(),
         "seconds": times,
         "cpu_seconds": cpu_times,  # every thread's CPU time: on a shared machine it moves less than wall time

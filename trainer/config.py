@@ -19,6 +19,7 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
 from csd_pipeline.loss.events import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES, TEACHER_CONTROLS
+from csd_pipeline.loss.token_logprobs import DEFAULT_KEEP_DTYPE, KEEP_DTYPES
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
 
 LOSSES = ("csd", "ce", "csd_1to1", *BASELINE_LOSSES)
@@ -164,6 +165,9 @@ class LossConfig:
     loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
     loss_keep_mb: int = _opt(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
                                 "recomputing them (0: none, the least memory; more is faster)")
+    loss_keep_dtype: str = _opt(DEFAULT_KEEP_DTYPE, "how the kept logits are stored: float32 (exact), float16 "
+                                                    "or bfloat16 (their log-probabilities, twice the chunks per "
+                                                    "MiB, rounded: docs/TRAINING.md)", choices=KEEP_DTYPES)
 
     @property
     def uses_teachers(self) -> bool:

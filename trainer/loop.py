@@ -262,7 +262,8 @@ def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights:
         out = wrapper(**_to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
                       global_chunk_counts=counts.kd_denominators(loss.kd_combine), teacher_weights=teacher_weights,
                       divergence=loss.divergence, beta=loss.beta, teacher_temperature=loss.teacher_temperature,
-                      chunk_size=loss.loss_chunk_size or None, keep_bytes=loss.loss_keep_mb << 20, loss_kind=loss.loss,
+                      chunk_size=loss.loss_chunk_size or None, keep_bytes=loss.loss_keep_mb << 20,
+                      keep_dtype=loss.loss_keep_dtype, loss_kind=loss.loss,
                       baseline=loss.baseline_options())
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]

@@ -63,7 +63,7 @@ class StudentWithLoss(torch.nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
         if loss_kind in BASELINE_LOSSES:
-            for key in ("beta", "teacher_temperature", "keep_bytes"):  # CSD-only options
+            for key in ("beta", "teacher_temperature", "keep_bytes", "keep_dtype"):  # CSD-only options
                 loss_options.pop(key, None)
             out = baseline_loss(loss_kind, ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers,
                                 hidden=hidden, weight=weight, global_ce_tokens=global_ce_tokens, kd_scale=0.0,

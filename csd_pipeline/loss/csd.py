@@ -23,6 +23,7 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.loss.token_logprobs import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_KEEP_BYTES,
+    DEFAULT_KEEP_DTYPE,
     chunked_token_logprobs,
     dense_token_logprobs,
 )
@@ -285,13 +286,15 @@ def csd_loss(
     beta: float = DEFAULT_BETA,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     keep_bytes: int = DEFAULT_KEEP_BYTES,
+    keep_dtype: str = DEFAULT_KEEP_DTYPE,
     kd_scale: torch.Tensor | float | None = None,
     teacher_temperature: float = 1.0,
 ) -> LossOutput:
     """CE + CSD for one batch, from the student's last hidden states and LM head (or logits).
 
     Give either `hidden` [P, H] and `weight` [V, H] (chunked path, memory O(chunk_size x V), plus
-    up to `keep_bytes` of logits kept for the backward: `token_logprobs.chunked_token_logprobs`) or
+    up to `keep_bytes` of logits kept for the backward, stored as `keep_dtype`:
+    `token_logprobs.chunked_token_logprobs`) or
     `logits` [P, V]. ce_positions / ce_tokens: flat CE targets (`events.ce_targets`). teachers: one
     `BatchEvents` per teacher (numpy or already on the device). All (position, token) pairs (CE
     and every teacher's events) are gathered in one pass. global_ce_tokens defaults to the local
@@ -318,7 +321,7 @@ def csd_loss(
         gathered = dense_token_logprobs(logits, positions, tokens)
     else:
         gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=chunk_size,
-                                          keep_bytes=keep_bytes)
+                                          keep_bytes=keep_bytes, keep_dtype=keep_dtype)
     pieces = torch.split(gathered, [p.numel() for p in pos_parts])
     ce_sum = -pieces[0].sum()
     terms = [

@@ -46,6 +46,7 @@ def test_sources_apply_in_order(tmp_path):
         (["--loss", "csd", "--teacher-logits", "T", "--kd-teachers", "0:x"], "--kd-teachers"),
         (["stray"], "stray"),
         (["--kd-combine", "best"], "--kd-combine"),
+        (["--loss-keep-dtype", "float8"], "--loss-keep-dtype"),
         (["--loss", "uld", "--teacher-logits", "T", "--kd-combine", "select"], "--kd-combine select.*--loss uld"),
         (["--loss", "csd", "--teacher-logits", "T", "--teacher-control", "shuffled", "--kd-combine", "select"],
          "--kd-combine select.*--teacher-control shuffled"),
