@@ -10,7 +10,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-teachers lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -19,6 +19,7 @@ help:
 	@echo "make tables      STUDENT=... TEACHER=... build both tables, then validate"
 	@echo "make bench       speed benchmarks (table + JSON in bench-results/)"
 	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
+	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 2.5 hours)"
 	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (hours)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 
@@ -58,6 +59,10 @@ bench: fixtures
 
 bench-quality: fixtures
 	$(PY) bench/bench_quality.py
+
+# two runs side by side, one thread each: more runs per hour than one run on both cores (docs/RESULTS.md)
+bench-compare: fixtures
+	$(PY) bench/bench_quality.py --comparison --jobs 2
 
 bench-teachers: fixtures
 	$(PY) bench/bench_teachers.py
