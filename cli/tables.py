@@ -28,8 +28,9 @@ def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, qu
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     set_quiet(quiet)
-    source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
     destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code)
+    destination.start_tokenizer()  # built while the source vocabulary loads (build_table encodes with it)
+    source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
     table = build_table(source, destination)
     table.save(output)
     if not quiet:

@@ -82,7 +82,7 @@ class Vocabulary:
     def byte_lengths(self) -> np.ndarray:
         """int64 [size]: number of bytes of each token (0 for specials)."""
         if self._lengths is None:
-            self._lengths = np.fromiter((len(b) for b in self.token_bytes), dtype=np.int64, count=self.size)
+            self._lengths = np.fromiter(map(len, self.token_bytes), dtype=np.int64, count=self.size)
         return self._lengths
 
     def flat_bytes(self) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +129,8 @@ class TokenizerBundle:
     """A fast tokenizer with its byte-exact vocabulary and configuration.
 
     The `tokenizers.Tokenizer` itself is built on first use: reading the vocabulary needs only
-    the JSON, which keeps table validation and manifest checks fast.
+    the JSON, which keeps table validation and manifest checks fast. `start_tokenizer` builds it
+    in a background thread instead, while this one does other work.
     """
 
     def __init__(self, raw_json: str, vocab: Vocabulary, config: dict, source: str):
@@ -138,10 +139,38 @@ class TokenizerBundle:
         self.config = config
         self.source = source
         self._tokenizer = None
+        self._building = None  # (thread, [tokenizer or error]) while `start_tokenizer` builds it
+
+    def start_tokenizer(self) -> None:
+        """Start building the `tokenizers.Tokenizer` in a thread; `tokenizer` then waits for it.
+
+        `Tokenizer.from_str` runs without the GIL (a third of a second for a 128k vocabulary),
+        so loading another vocabulary or finding prefix entries proceeds meanwhile."""
+        import threading
+
+        if self._tokenizer is not None or self._building is not None:
+            return
+        outcome: list = []
+
+        def build():
+            try:
+                outcome.append(_tokenizer_from_json(self.raw_json, self.source))
+            except Exception as err:  # raised in the thread that asks for the tokenizer
+                outcome.append(err)
+
+        thread = threading.Thread(target=build, name=f"tokenizer {self.source}", daemon=True)
+        thread.start()
+        self._building = (thread, outcome)
 
     @property
     def tokenizer(self):
         """The `tokenizers.Tokenizer`; special tokens are never parsed from text."""
+        building = self._building
+        if self._tokenizer is None and building is not None:
+            building[0].join()
+            if isinstance(building[1][0], Exception):
+                raise building[1][0]
+            self._tokenizer, self._building = building[1][0], None
         if self._tokenizer is None:
             self._tokenizer = _tokenizer_from_json(self.raw_json, self.source)
         return self._tokenizer
