@@ -142,25 +142,9 @@ class TokenizerBundle:
         self._building = None  # (thread, [tokenizer or error]) while `start_tokenizer` builds it
 
     def start_tokenizer(self) -> None:
-        """Start building the `tokenizers.Tokenizer` in a thread; `tokenizer` then waits for it.
-
-        `Tokenizer.from_str` runs without the GIL (a third of a second for a 128k vocabulary),
-        so loading another vocabulary or finding prefix entries proceeds meanwhile."""
-        import threading
-
-        if self._tokenizer is not None or self._building is not None:
-            return
-        outcome: list = []
-
-        def build():
-            try:
-                outcome.append(_tokenizer_from_json(self.raw_json, self.source))
-            except Exception as err:  # raised in the thread that asks for the tokenizer
-                outcome.append(err)
-
-        thread = threading.Thread(target=build, name=f"tokenizer {self.source}", daemon=True)
-        thread.start()
-        self._building = (thread, outcome)
+        """Start building the `tokenizers.Tokenizer` in a thread; `tokenizer` then waits for it."""
+        if self._tokenizer is None and self._building is None:
+            self._building = _tokenizer_in_thread(self.raw_json, self.source)
 
     @property
     def tokenizer(self):
@@ -217,12 +201,13 @@ def byte_ends_from_offsets(text: str, offsets) -> np.ndarray:
 # --------------------------------------------------------------------------- loading
 
 
-def load_tokenizer(arg: str, *, trust_remote_code: bool = False) -> TokenizerBundle:
+def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer: bool = False) -> TokenizerBundle:
     """Load a fast tokenizer from a tokenizer.json, a model/tokenizer directory or a hub name.
 
     Fixture names (`llama-bpe`, `qwen2`, `gpt-2`, `llama-spm`, `smollm2`) resolve to the
     cached fixtures. Raises CsdError for a missing/unreadable file, a slow-only tokenizer or an
-    unsupported family.
+    unsupported family. `start_tokenizer`: build the `tokenizers.Tokenizer` in a thread from the
+    moment the file is read (see `TokenizerBundle.start_tokenizer`), not on first use.
     """
     from csd_pipeline.fixtures.names import resolve_tokenizer_arg
 
@@ -247,6 +232,7 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False) -> TokenizerBun
         tokenizer_file, config = _from_hub(arg, trust_remote_code)
     try:
         raw = read_json_text(tokenizer_file)
+        building = _tokenizer_in_thread(raw, str(arg)) if start_tokenizer else None
         spec = parse_tokenizer_json(raw)
     except (OSError, UnicodeDecodeError) as err:
         raise CsdError(f"tokenizer {arg}: cannot read {tokenizer_file} ({err.__class__.__name__}); check the file") from None
@@ -256,6 +242,7 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False) -> TokenizerBun
         raise CsdError(f"tokenizer {arg}: {tokenizer_file} is not a tokenizer.json (no `model` section)")
     vocab = build_vocabulary(spec, config, name=str(arg), raw_json=raw)
     bundle = TokenizerBundle(raw, vocab, config, str(arg))
+    bundle._building = building
     if vocab.needs_round_trip:
         _check_added_round_trips(bundle, spec)
     return bundle
@@ -288,6 +275,25 @@ def parse_tokenizer_json(raw: str) -> dict:
         if isinstance(spec, dict) and isinstance(spec.get("model"), dict) and spec["model"].get("merges") == []:
             return spec
     return json.loads(raw)
+
+
+def _tokenizer_in_thread(raw_json: str, name: str):
+    """(thread, outcome): a thread building the tokenizer of `raw_json`; `outcome` then holds the
+    tokenizer or the error. `Tokenizer.from_str` runs without the GIL (a third of a second for a
+    128k vocabulary), so reading vocabularies or finding prefix entries proceeds meanwhile."""
+    import threading
+
+    outcome: list = []
+
+    def build():
+        try:
+            outcome.append(_tokenizer_from_json(raw_json, name))
+        except Exception as err:  # raised in the thread that asks for the tokenizer
+            outcome.append(err)
+
+    thread = threading.Thread(target=build, name=f"tokenizer {name}", daemon=True)
+    thread.start()
+    return thread, outcome
 
 
 def _tokenizer_from_json(raw_json: str, name: str):
