@@ -1,8 +1,8 @@
-"""Speed of `make tables` as a ratio to the tokenizers floor, for three tokenizer pairs.
+"""Speed of `make tables` as a ratio to the tokenizers floor, for four tokenizer pairs.
 
-Pairs (student, teacher): Llama 3 <-> Qwen2 (128k / 152k ids), and the 262k-id Gemma 3 with
-Qwen2 (152k, byte-level BPE; issue 21's goal: within 3x the floor), with Llama 2 (32k,
-SentencePiece) and with SmolLM2 (49k, byte-level BPE). Floor: the time `tokenizers`
+Pairs (student, teacher): Llama 3 <-> Qwen2 (128k / 152k ids; issue 21's goal: within 2.5x the
+floor), and the 262k-id Gemma 3 with Qwen2 (152k, byte-level BPE; issue 21's goal: within 3x),
+with Llama 2 (32k, SentencePiece) and with SmolLM2 (49k, byte-level BPE). Floor: the time `tokenizers`
 needs to `encode_batch` the decoded text of every token of one vocabulary with the other
 tokenizer, both directions. Measured: the three calls `make tables` runs (two builds, one
 validate), each as its own process, as a user runs them; the best of two complete runs (one in
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 LIMIT_RATIO = 5.0
-LIMITS = {("qwen2", "gemma3"): 3.0}  # pairs with their own limit (issue 21); the others: LIMIT_RATIO
+LIMITS = {("llama-bpe", "qwen2"): 2.5, ("qwen2", "gemma3"): 3.0}  # issue 21's goals; the other pairs: LIMIT_RATIO
 
 
 def _floor_seconds(student: str, teacher: str) -> tuple[float, float]:

@@ -28,8 +28,9 @@ def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, qu
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     set_quiet(quiet)
+    # build_table encodes with the destination tokenizer: built in a thread while the vocabularies load
+    destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code, start_tokenizer=True)
     source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
-    destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code)
     table = build_table(source, destination)
     table.save(output)
     if not quiet:

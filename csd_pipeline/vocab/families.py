@@ -14,6 +14,7 @@ puts these together into a `Vocabulary`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -133,26 +134,11 @@ def token_bytes_of(spec: dict, family: str, name: str) -> tuple[list[bytes], np.
     pieces: list[str | None] = [None] * size
     for piece, i in model_vocab.items():
         pieces[i] = piece
-    token_bytes: list[bytes] = [b""] * size
-    flags = np.zeros(size, dtype=np.uint8)
     if family == "byte_level":
-        decoder = gpt2_byte_decoder()
-        table = {ord(ch): chr(b) for ch, b in decoder.items()}
-        outside = re.compile("[^" + re.escape("".join(decoder)) + "]")
-        for i, piece in enumerate(pieces):
-            if piece is None:
-                flags[i] |= FLAG_UNTRUSTED
-            elif outside.search(piece):
-                flags[i] |= FLAG_UNTRUSTED  # a character outside the byte table: not byte-exact
-            else:
-                token_bytes[i] = piece.translate(table).encode("latin-1")
+        token_bytes, untrusted = _byte_level_bytes(pieces)
     else:
-        for i, piece in enumerate(pieces):
-            if piece is None:
-                flags[i] |= FLAG_UNTRUSTED
-                continue
-            m = _BYTE_PIECE.match(piece) if piece.startswith("<0x") else None
-            token_bytes[i] = bytes([int(m.group(1), 16)]) if m else piece.replace(SPM_SPACE, " ").encode("utf-8")
+        token_bytes, untrusted = _sentencepiece_bytes(pieces)
+    flags = np.where(untrusted, FLAG_UNTRUSTED, 0).astype(np.uint8)
     needs_round_trip = False
     for i, token in added.items():
         if token.get("special"):
@@ -164,6 +150,44 @@ def token_bytes_of(spec: dict, family: str, name: str) -> tuple[list[bytes], np.
             flags[i] = 0
             needs_round_trip = True
     return token_bytes, flags, needs_round_trip
+
+
+def _byte_level_bytes(pieces: list[str | None]) -> tuple[list[bytes], np.ndarray]:
+    """(bytes, untrusted) per id of ByteLevel pieces: each character is one byte through GPT-2's table;
+    a piece with a character outside it (or no piece) is untrusted and has no bytes. One pass over
+    all pieces at once (a look-up table over code points) instead of one translation per piece."""
+    decoder = gpt2_byte_decoder()
+    lookup = np.full(max(map(ord, decoder)) + 1, -1, dtype=np.int16)
+    for ch, b in decoder.items():
+        lookup[ord(ch)] = b
+    known = [p or "" for p in pieces]
+    bounds = [0]
+    bounds += itertools.accumulate(map(len, known))  # the character offset where each piece starts, and the end
+    codes = np.frombuffer("".join(known).encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)
+    values = lookup[np.minimum(codes, lookup.size - 1)]
+    values[codes >= lookup.size] = -1
+    untrusted = np.fromiter((p is None for p in pieces), dtype=bool, count=len(pieces))
+    outside = np.flatnonzero(values < 0)  # characters outside the table; the piece each one is in:
+    untrusted[np.searchsorted(np.asarray(bounds, dtype=np.int64), outside, side="right") - 1] = True
+    raw = values.astype(np.uint8).tobytes()
+    token_bytes = [raw[s:e] for s, e in zip(bounds, bounds[1:])]
+    for i in np.flatnonzero(untrusted).tolist():
+        token_bytes[i] = b""
+    return token_bytes, untrusted
+
+
+def _sentencepiece_bytes(pieces: list[str | None]) -> tuple[list[bytes], np.ndarray]:
+    """(bytes, untrusted) per id of SentencePiece pieces: `▁` is a space, `<0xNN>` one byte, the rest
+    UTF-8; no piece: untrusted."""
+    token_bytes: list[bytes] = [b""] * len(pieces)
+    untrusted = np.zeros(len(pieces), dtype=bool)
+    for i, piece in enumerate(pieces):
+        if piece is None:
+            untrusted[i] = True
+            continue
+        m = _BYTE_PIECE.match(piece) if piece.startswith("<0x") else None
+        token_bytes[i] = bytes([int(m.group(1), 16)]) if m else piece.replace(SPM_SPACE, " ").encode("utf-8")
+    return token_bytes, untrusted
 
 
 def special_roles(spec: dict, config: dict, flags: np.ndarray, token_bytes: list) -> dict[str, int]:

@@ -27,6 +27,7 @@ import numpy as np
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import atomic_path, bytes_sha256
 from csd_pipeline.vocab.config import TableCheckConfig
+from csd_pipeline.vocab.prefix_entries import prefix_entries, spelling_arrays
 from csd_pipeline.vocab.vocabulary import TokenizerBundle, Vocabulary
 
 TABLE_FORMAT_VERSION = 1
@@ -58,6 +59,10 @@ class SubtokenTable:
         """Byte strings spelled by one token in both vocabularies, sorted."""
         return sorted(self.source.spellings().keys() & self.destination.spellings().keys())
 
+    def common_spelling_count(self) -> int:
+        """len(common_spellings()), without sorting them."""
+        return sum(map(self.destination.spellings().__contains__, self.source.spellings()))
+
     def prefix_map(self) -> dict[bytes, list[tuple[bytes, bytes]]]:
         """p -> [(a spelling, b spelling), ...] for every prefix-support entry."""
         if self._prefix_map is None:
@@ -75,8 +80,7 @@ class SubtokenTable:
 
     def counts(self) -> dict:
         """The numbers `tables inspect` prints (see `inspect_table`)."""
-        src_multi = sum(1 for ids in self.source.spellings().values() if len(ids) > 1)
-        dst_multi = sum(1 for ids in self.destination.spellings().values() if len(ids) > 1)
+        src_multi, dst_multi = (_multi_id_count(v.spellings()) for v in (self.source, self.destination))
         return {
             "format_version": TABLE_FORMAT_VERSION,
             "source": self.source.name,
@@ -89,7 +93,7 @@ class SubtokenTable:
             "destination_vocab_size": self.destination.size,
             "source_spellings": len(self.source.spellings()),
             "destination_spellings": len(self.destination.spellings()),
-            "common_spellings": len(self.common_spellings()),
+            "common_spellings": self.common_spelling_count(),
             "prefix_entries": int(self.prefix_length.size),
             "multi_id_spellings_source": src_multi,
             "multi_id_spellings_destination": dst_multi,
@@ -135,6 +139,11 @@ class SubtokenTable:
             raise CsdError(f"table output {path}: cannot write it ({reason}); {advice}, then run the command again") from None
 
 
+def _multi_id_count(spellings: dict[bytes, tuple[int, ...]]) -> int:
+    """Number of spellings with two or more ids."""
+    return len(spellings) - list(map(len, spellings.values())).count(1)
+
+
 def _payload_hash(tensors: dict[str, np.ndarray]) -> str:
     return bytes_sha256(*(part for key in sorted(tensors)
                           for part in (key.encode(), np.ascontiguousarray(tensors[key]).tobytes())))
@@ -171,8 +180,8 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
     sides = {}
     for side in ("source", "destination"):
         flat, offsets = tensors[f"{side}_bytes"], tensors[f"{side}_offsets"]
-        raw = flat.tobytes()
-        token_bytes = [raw[offsets[i] : offsets[i + 1]] for i in range(offsets.size - 1)]
+        raw, cuts = flat.tobytes(), offsets.tolist()
+        token_bytes = [raw[start:end] for start, end in zip(cuts, cuts[1:])]
         info = meta[side]
         sides[side] = Vocabulary(
             name=info["name"],
@@ -197,98 +206,6 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
 # ---------------------------------------------------------------------- building
 
 
-_HASH_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: byte strings hash as polynomials mod 2**64
-
-
-def _spelling_arrays(vocab: Vocabulary) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(representative id, start, length) of every spelling, and the uint8 bytes they point into."""
-    reps = np.fromiter((ids[0] for ids in vocab.spellings().values()), dtype=np.int64)
-    flat, starts = vocab.flat_bytes()
-    return reps, starts[reps], vocab.byte_lengths()[reps], flat
-
-
-def _suffix_hashes(flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """uint64 hash of every suffix of every spelling: h[i] = hash(bytes[i:end of its spelling]), for
-    each byte i of the spellings (laid out as `starts`/`lengths` in `flat`), from the end backwards."""
-    hashes = np.zeros(flat.size + 1, dtype=np.uint64)  # the extra slot: the empty suffix after a spelling
-    ends = starts + lengths
-    for distance in range(1, int(lengths.max(initial=0)) + 1):
-        longer = lengths >= distance
-        at = ends[longer] - distance
-        after = np.where(distance > 1, at + 1, flat.size)  # the empty suffix hashes to 0
-        hashes[at] = (flat[at].astype(np.uint64) + np.uint64(1)) + _HASH_BASE * hashes[after]
-    return hashes
-
-
-def prefix_entries(source: Vocabulary, destination: Vocabulary, advance=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All (a, b, len p) with bytes(a) == p + bytes(b), p non-empty, by representative ids, sorted.
-    `advance(n)`, when given, is told of the source spellings done (a progress bar).
-
-    Vectorised: every proper suffix of every source spelling is hashed (a polynomial mod 2**64) and
-    looked up among the destination spellings' hashes; each hit is then compared byte for byte, so
-    the result is exact whatever the hash does. Two destination spellings with one hash (never seen)
-    fall back to dictionary look-ups.
-    """
-    s_reps, s_starts, s_lengths, s_flat = _spelling_arrays(source)
-    d_reps, d_starts, d_lengths, d_flat = _spelling_arrays(destination)
-    d_hashes = _suffix_hashes(d_flat, d_starts, d_lengths)[d_starts]
-    order = np.argsort(d_hashes, kind="stable")
-    d_sorted = d_hashes[order]
-    if d_sorted.size > 1 and np.any(d_sorted[1:] == d_sorted[:-1]):
-        return _prefix_entries_by_lookup(source, destination, advance)
-    # every (spelling, n) with 1 <= n < its length: the suffix starting n bytes in
-    counts = np.maximum(s_lengths - 1, 0)
-    spelling = np.repeat(np.arange(s_reps.size), counts)
-    n = np.arange(spelling.size) - np.repeat(np.cumsum(counts) - counts, counts) + 1
-    suffix_start = s_starts[spelling] + n
-    suffix_hash = _suffix_hashes(s_flat, s_starts, s_lengths)[suffix_start]
-    slot = np.minimum(np.searchsorted(d_sorted, suffix_hash), max(d_sorted.size - 1, 0))
-    hit = np.flatnonzero(d_sorted[slot] == suffix_hash) if d_sorted.size else np.zeros(0, np.int64)
-    spelling, n, suffix_start, match = spelling[hit], n[hit], suffix_start[hit], order[slot[hit]]
-    size = s_lengths[spelling] - n
-    same = size == d_lengths[match]
-    spelling, n, suffix_start, match, size = spelling[same], n[same], suffix_start[same], match[same], size[same]
-    equal = _equal_runs(s_flat, suffix_start, d_flat, d_starts[match], size)
-    a = s_reps[spelling[equal]].astype(np.int32)
-    b = d_reps[match[equal]].astype(np.int32)
-    n = n[equal].astype(np.int32)
-    order = np.lexsort((b, n, a))
-    if advance is not None:
-        advance(s_reps.size)
-    return a[order], b[order], n[order]
-
-
-def _equal_runs(left: np.ndarray, left_starts, right: np.ndarray, right_starts, sizes) -> np.ndarray:
-    """bool per run: left[left_starts[i]:+sizes[i]] == right[right_starts[i]:+sizes[i]] (sizes >= 1)."""
-    if sizes.size == 0:
-        return np.zeros(0, dtype=bool)
-    offsets = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    differs = left[np.repeat(left_starts, sizes) + offsets] != right[np.repeat(right_starts, sizes) + offsets]
-    return np.add.reduceat(differs, np.cumsum(sizes) - sizes) == 0
-
-
-def _prefix_entries_by_lookup(source: Vocabulary, destination: Vocabulary, advance=None):
-    """`prefix_entries` by one dictionary look-up per suffix (the exact, slower way)."""
-    dst = destination.spelling_representatives()
-    entries = []
-    add = entries.append
-    spellings = source.spellings()
-    for done, (a_bytes, a_class) in enumerate(spellings.items(), 1):
-        if advance is not None and done % 8192 == 0:
-            advance(8192)
-        a_rep = a_class[0]
-        for n in range(1, len(a_bytes)):
-            b_rep = dst.get(a_bytes[n:])
-            if b_rep is not None:
-                add((a_rep, b_rep, n))
-    if advance is not None:
-        advance(len(spellings) % 8192)
-    table = np.asarray(entries, dtype=np.int32).reshape(-1, 3)
-    a, b, n = table[:, 0], table[:, 1], table[:, 2]
-    order = np.lexsort((b, n, a))
-    return a[order], b[order], n[order]
-
-
 def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle, advance=None) -> dict:
     """Encode every source spelling with the destination tokenizer (the original builder's chains).
 
@@ -300,39 +217,38 @@ def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle
     dst_spellings = destination.vocab.spellings()
     texts_bytes = list(src_spellings.keys())
     texts = [b.decode("utf-8", errors="replace") for b in texts_bytes]
-    encodings = []
-    for start in range(0, len(texts), 16384):
-        encodings += destination.tokenizer.encode_batch(texts[start:start + 16384], add_special_tokens=False)
-        if advance is not None:
-            advance(len(texts[start:start + 16384]))
     dst_bytes = destination.vocab.token_bytes
     skip = 1 if destination.vocab.dummy_prefix else 0
     multi = covered = 0
-    for a_bytes, enc in zip(texts_bytes, encodings):
-        ids = enc.ids
-        if len(ids) < 2:
-            continue
-        multi += 1
-        chain = b"".join([dst_bytes[i] for i in ids])
-        if skip and chain[:1] == b" " and len(chain) == len(a_bytes) + 1:
-            chain = chain[1:]
-        last = dst_bytes[ids[-1]]
-        if chain == a_bytes and last in dst_spellings and len(last) < len(a_bytes):
-            covered += 1
+    for start in range(0, len(texts), 16384):  # a slice at a time: its encodings are freed before the next
+        encodings = destination.tokenizer.encode_batch(texts[start:start + 16384], add_special_tokens=False)
+        for k in [k for k, n in enumerate(map(len, encodings)) if n > 1]:  # len(): the ids, without copying them
+            a_bytes, ids = texts_bytes[start + k], encodings[k].ids
+            multi += 1
+            chain = b"".join([dst_bytes[i] for i in ids])
+            if skip and chain[:1] == b" " and len(chain) == len(a_bytes) + 1:
+                chain = chain[1:]
+            last = dst_bytes[ids[-1]]
+            if chain == a_bytes and last in dst_spellings and len(last) < len(a_bytes):
+                covered += 1
+        if advance is not None:
+            advance(len(encodings))
     return {"chains": len(texts), "multi_token_chains": multi, "chains_in_prefix_entries": covered}
 
 
 def build_table(source: TokenizerBundle, destination: TokenizerBundle) -> SubtokenTable:
     """Build the (source -> destination) table from two loaded tokenizers (a progress bar on a terminal).
 
-    The destination tokenizer encodes every source spelling (`canonical_chain_counts`) in a second
-    thread while this one finds the prefix-support entries: `encode_batch` releases the GIL.
+    The destination tokenizer is built (unless `start_tokenizer` began it already) and encodes every
+    source spelling (`canonical_chain_counts`) in a second thread while this one finds the
+    prefix-support entries: `Tokenizer.from_str` and `encode_batch` release the GIL.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     from csd_pipeline.runtime import progress
 
-    _ = destination.tokenizer  # built here: constructing it holds the GIL
+    destination.start_tokenizer()
+    destination.vocab.spellings()  # both threads read the spelling classes: computed here, once
     with progress.bar(2 * len(source.vocab.spellings()), "tables build", "spelling", unit_scale=True) as shown:
         with ThreadPoolExecutor(1) as pool:
             canonical = pool.submit(canonical_chain_counts, source, destination, shown.update)
@@ -403,10 +319,12 @@ def _check_prefix_sample(label, table, src: Vocabulary, dst: Vocabulary, rng, sa
         b = dst.token_bytes[table.prefix_destination[k]]
         if a[table.prefix_length[k] :] != b or table.prefix_length[k] < 1:
             raise CsdError(f"table {label}: prefix entry {k} is not byte-exact (corrupted); rebuild the table")
-    spellings = list(src.spellings().items())
-    picks = rng.choice(len(spellings), size=min(sample, len(spellings)), replace=False)
-    picked_reps = {int(spellings[i][1][0]) for i in picks.tolist()}
-    chosen = np.flatnonzero(np.isin(table.prefix_source, np.fromiter(picked_reps, dtype=np.int32)))
+    reps = spelling_arrays(src)[0]
+    picks = rng.choice(reps.size, size=min(sample, reps.size), replace=False)
+    picked_reps = set(reps[picks].tolist())
+    picked = np.zeros(src.size, dtype=bool)
+    picked[list(picked_reps)] = True
+    chosen = np.flatnonzero(picked[table.prefix_source])
     stored: dict[int, set] = {}
     for k in chosen.tolist():
         stored.setdefault(int(table.prefix_source[k]), set()).add((int(table.prefix_length[k]), int(table.prefix_destination[k])))
