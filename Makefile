@@ -19,7 +19,7 @@ help:
 	@echo "make tables      STUDENT=... TEACHER=... build both tables, then validate"
 	@echo "make bench       speed benchmarks (table + JSON in bench-results/)"
 	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
-	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 2.5 hours)"
+	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 3 hours)"
 	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (hours)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 

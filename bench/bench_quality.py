@@ -29,10 +29,11 @@ Every arm runs with seed 0; then CE, both CSD arms, the control and, per baselin
 of the regime run with seeds 1 and 2 (`--quick`: 20 steps, seed 1 only). `--comparison --arms A,B
 --seeds 0,1` runs just those (a subset run adds its runs to comparison.json). Writes
 bench-results/comparison.json (comparison-quick.json) and prints the table (mean over seeds, half the
-min-max spread, vs CE, vs the control, seconds per step).
+min-max spread, vs CE, vs the control, seconds per step). `--jobs 2` (`make bench-compare`) runs two
+trainings side by side with one torch thread each: about 1.7x the runs per hour of one run on 2 cores.
 
     python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
-    python bench/bench_quality.py --comparison [--quick] [--regime ...] [--arms A,B --seeds 0,1]
+    python bench/bench_quality.py --comparison [--quick] [--jobs 2] [--regime ...] [--arms A,B --seeds 0,1]
 """
 
 from __future__ import annotations
