@@ -45,6 +45,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,18 +283,19 @@ def comparison_finalists(rows: list[dict]) -> list[str]:
     return finals
 
 
-def _train_plan(regime: str, plan: list, dirs: dict, out: Path, steps: int, log: Path, jobs: int):
-    """Yield each (arm, seed) run's record as it finishes; `jobs` > 1 runs that many side by side, each with
-    cores // jobs torch threads (two runs that each take every core are ~10x slower on 2 cores)."""
+def side_by_side(plan: list, jobs: int, train) -> Iterator[dict]:
+    """Yield each (arm, seed) run's record, `train(arm=, seed=, threads=)`, as it finishes; `jobs` > 1 runs that many
+    side by side, each with cores // jobs torch threads (two runs that each take every core are ~10x slower on
+    2 cores), `threads` None for one run at a time."""
     if jobs <= 1:
         for arm, seed in plan:
-            yield train_arm(regime, arm, seed, dirs, out, steps, log)
+            yield train(arm=arm, seed=seed, threads=None)
         return
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     threads = max(1, (os.cpu_count() or 1) // jobs)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(train_arm, regime, arm, seed, dirs, out, steps, log, threads) for arm, seed in plan]
+        futures = [pool.submit(train, arm=arm, seed=seed, threads=threads) for arm, seed in plan]
         for future in as_completed(futures):
             yield future.result()
 
@@ -313,7 +316,8 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
         rows: list[dict] = []
         plan = [(arm, s) for s in (seeds or [0]) for arm in (arms or COMPARISON_ARMS[regime])]
         for stage in range(2):  # seed 0 of every arm, then (a full run) the finalists with COMPARISON_SEEDS
-            for record in _train_plan(regime, plan, dirs, out, steps, log, jobs):
+            train = partial(train_arm, regime, dirs=dirs, out=out, steps=steps, log=log)
+            for record in side_by_side(plan, jobs, train):
                 rows.append(record)
                 _save(results + rows, teachers, path, not subset)
                 print(f"[comparison] {regime:<13} {record['arm']:<{ARM_WIDTH}} seed {record['seed']}: "

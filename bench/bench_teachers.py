@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +56,7 @@ from bench_quality import (  # noqa: E402 - the recipe is bench_quality's
     _env,
     _read_jsonl,
     run,
+    side_by_side,
 )
 
 TEACHERS = (("smollm2", "smollm2-135m-instruct"), ("gemma3", "gemma3-270m"))  # (tokenizer, model), by index
@@ -119,11 +121,11 @@ def prepare(regime: str, out: Path, log: Path, quick: bool = False) -> dict:
     return dirs
 
 
-def bits_per_byte(aligned: Path, model, side: str) -> float:
+def bits_per_byte(aligned: Path, model, side: str, threads: int | None = None) -> float:
     """`csd-pipeline bits-per-byte` of a model on a held-out aligned folder, as a user runs it."""
     done = subprocess.run([str(BIN / "csd-pipeline"), "bits-per-byte", "--aligned", str(aligned), "--model", str(model),
                            "--side", side, "--seq-len", str(WINDOW), "--json", "--quiet"],
-                          cwd=ROOT, capture_output=True, text=True, env=_env())
+                          cwd=ROOT, capture_output=True, text=True, env=_env(threads))
     if done.returncode != 0:
         raise RuntimeError(done.stderr.strip())
     return json.loads(done.stdout)["bits_per_byte"]
@@ -148,30 +150,36 @@ def _student_args(regime: str) -> list:
     return ["--student", spec["student"], *args]
 
 
-def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path) -> dict:
+def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path,
+              threads: int | None = None) -> dict:
+    """One training run; with `threads` (runs side by side) its output goes to its own log beside the run."""
     spec = regime_spec(regime)
-    target = out / regime / "runs" / f"{arm}-seed{seed}"
+    target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
     shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
+    if threads:
+        log = target.with_name(target.name + ".log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
     teachers = [flag for i in range(len(spec["teachers"])) for flag in ("--teacher-logits", dirs[f"teacher{i}"])]
     warmup = min(spec.get("warmup", WARMUP_STEPS), steps // 4)
     eval_every = max(steps // EVAL_POINTS, 1) if steps >= 4 * EVAL_POINTS else steps  # a smoke run: at the end only
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], *teachers, *_student_args(regime), "--output", target,
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
-         "--eval-every", eval_every, "--warmup-steps", warmup, *regime_arms(regime)[arm]], log)
+         "--eval-every", eval_every, "--warmup-steps", warmup, *regime_arms(regime)[arm]], log, threads)
     seconds = time.perf_counter() - started
     evals = _read_jsonl(target / "eval.jsonl")
     final = [e for e in evals if e.get("step") == steps] or evals
     tail = _read_jsonl(target / "metrics.jsonl")[-10:]
     record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
-              "seconds": seconds, "args": regime_arms(regime)[arm],
+              "seconds": seconds, "args": regime_arms(regime)[arm], "threads": threads,
               "curve": [[e["step"], e["bits_per_byte"]] for e in evals]}
     for key in ("ce", "kd", "step_time_s", "teacher0_share", "teacher1_share", "teacher0_chunks", "teacher1_chunks"):
         values = [float(m[key]) for m in tail if m.get(key) is not None]
         if values:
             record[f"last10_{key}"] = sum(values) / len(values)
     if spec["student"]:  # the exported model, scored by the command that scored it before training
-        record["export_bits_per_byte"] = bits_per_byte(dirs["heldout"], target / "export", "student")
+        record["export_bits_per_byte"] = bits_per_byte(dirs["heldout"], target / "export", "student", threads)
     return record
 
 
@@ -261,7 +269,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--quick", action="store_true", help="the first records of each corpus, 20 steps per arm "
                         "(3 pretrained): a smoke run, written to teachers-quick.json")
+    parser.add_argument("--jobs", type=int, default=1, help="runs side by side, each with cores/jobs torch threads "
+                        "(2 on 2 cores gives more runs per hour than 1; default 1)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs: {args.jobs} must be at least 1")
     regimes = args.regime or ALL_REGIMES
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -288,14 +300,15 @@ def main(argv: list[str]) -> int:
         scores[regime] = reference_scores(regime, dirs)
         print(f"[teachers] {regime}: prepared in {time.perf_counter() - prepared:.0f} s; no training: "
               + ", ".join(f"{k} {v:.4f}" for k, v in scores[regime].items()), flush=True)
-        for seed in seeds:
-            for arm in arms[regime]:
-                record = train_arm(regime, arm, seed, dirs, out, _steps(regime, args.quick), log)
-                results.append(record)
-                _save(path, results, scores)
-                extra = f", export {record['export_bits_per_byte']:.4f}" if "export_bits_per_byte" in record else ""
-                print(f"[teachers] {regime:<12} {arm:<8} seed {seed}: {record['bits_per_byte']:.4f} bits/byte{extra} "
-                      f"({record['seconds']:.0f} s, {record.get('last10_step_time_s', 0):.2f} s/step)", flush=True)
+        plan = [(arm, seed) for seed in seeds for arm in arms[regime]]
+        train = partial(train_arm, regime, dirs=dirs, out=out, steps=_steps(regime, args.quick), log=log)
+        for record in side_by_side(plan, args.jobs, train):
+            results.append(record)
+            _save(path, results, scores)
+            extra = f", export {record['export_bits_per_byte']:.4f}" if "export_bits_per_byte" in record else ""
+            print(f"[teachers] {regime:<12} {record['arm']:<8} seed {record['seed']}: {record['bits_per_byte']:.4f} "
+                  f"bits/byte{extra} ({record['seconds']:.0f} s, {record.get('last10_step_time_s', 0):.2f} s/step)",
+                  flush=True)
     merged = json.loads(path.read_text())
     print_table(merged["results"], merged["reference_bits_per_byte"])
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {path}")
