@@ -17,10 +17,11 @@ top-128 stored once; the arms differ only in which teachers the loss reads and h
 
 Regimes `data-limited` and `data-rich` train the 4-layer student from scratch (Llama 2 tokenizer) as
 bench_quality does. Regime `pretrained` continues SmolLM2-135M-Instruct itself as the student (its own
-tokenizer) on a King James Bible slice (`bench/corpus/kjv-*`, PRETRAINED) with `ce` and CSD from
-Gemma 3 (`gemma3`), at a fine-tuning learning rate; it also measures the untouched model's held-out
-bits per byte ("before"), and every run's exported model with the same command (`csd-pipeline
-bits-per-byte`).
+tokenizer) on a King James Bible slice (`bench/corpus/kjv-*`, PRETRAINED: 40 steps of 2 x 256 tokens,
+about 0.4 of an epoch, held-out evaluation at the end) with `ce` and CSD from Gemma 3 (`gemma3`, and
+`gemma3 t1` without the teacher temperature), at a fine-tuning learning rate; it also measures the
+untouched model's held-out bits per byte ("before"), and every run's exported model with the same
+command (`csd-pipeline bits-per-byte`).
 
 `--seeds 0,1,2` (default), `--regime` (repeatable), `--arms`, `--quick` (the first records of each
 corpus, 20 steps per arm, 3 for `pretrained`: a smoke run, written to teachers-quick.json). Writes bench-results/teachers.json and
@@ -70,10 +71,12 @@ TEACHER_ARMS = {
 }
 SINGLE = ("smollm2", "gemma3")
 # The pretrained student: SmolLM2-135M-Instruct continued on a domain slice, CE or CSD from Gemma 3 (teacher 0 there).
-PRETRAINED = {"train": "bench/corpus/kjv-train.jsonl", "heldout": "bench/corpus/kjv-heldout.jsonl", "steps": 100,
+PRETRAINED = {"train": "bench/corpus/kjv-train.jsonl", "heldout": "bench/corpus/kjv-heldout.jsonl", "steps": 40,
               "student": "smollm2-135m-instruct", "tokenizer": "smollm2", "teachers": (TEACHERS[1],),
-              "lr": "5e-5", "warmup": 10}
-PRETRAINED_ARMS = {"ce": ["--loss", "ce"], "gemma3": [*KD, "--kd-teachers", "0:1"]}
+              "lr": "5e-5", "warmup": 5, "eval_points": 1}
+# `gemma3 t1`: the same without the teacher temperature (a pretrained student may not want a softened teacher).
+PRETRAINED_ARMS = {"ce": ["--loss", "ce"], "gemma3": [*KD, "--kd-teachers", "0:1"],
+                   "gemma3 t1": [*KD[:KD.index("--teacher-temperature")], "--kd-teachers", "0:1"]}
 ALL_REGIMES = [*REGIMES, "pretrained"]
 # The estimate printed before a run: seconds per step of a one-teacher CSD arm on 2 CPU cores (bench_quality's
 # runs for the from-scratch student; a 135M student is forward + backward of ~0.5 TFLOP per step).
@@ -162,7 +165,8 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
         log.unlink(missing_ok=True)
     teachers = [flag for i in range(len(spec["teachers"])) for flag in ("--teacher-logits", dirs[f"teacher{i}"])]
     warmup = min(spec.get("warmup", WARMUP_STEPS), steps // 4)
-    eval_every = max(steps // EVAL_POINTS, 1) if steps >= 4 * EVAL_POINTS else steps  # a smoke run: at the end only
+    points = spec.get("eval_points", EVAL_POINTS)
+    eval_every = max(steps // points, 1) if steps >= 4 * points else steps  # a smoke run: at the end only
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], *teachers, *_student_args(regime), "--output", target,
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
