@@ -230,12 +230,21 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer
         raise CsdError(f"tokenizer {arg}: no such file or folder; check the path (or run `make fixtures` for fixture names)")
     else:
         tokenizer_file, config = _from_hub(arg, trust_remote_code)
+    from csd_pipeline.vocab.vocab_cache import load_cached_vocabulary, store_vocabulary, vocabulary_key
+
     try:
         raw = read_json_text(tokenizer_file)
-        building = _tokenizer_in_thread(raw, str(arg)) if start_tokenizer else None
-        spec = parse_tokenizer_json(raw)
     except (OSError, UnicodeDecodeError) as err:
         raise CsdError(f"tokenizer {arg}: cannot read {tokenizer_file} ({err.__class__.__name__}); check the file") from None
+    building = _tokenizer_in_thread(raw, str(arg)) if start_tokenizer else None
+    key = vocabulary_key(raw, config)
+    vocab = load_cached_vocabulary(key, str(arg))  # derived by an earlier run from the same file and code
+    if vocab is not None:
+        bundle = TokenizerBundle(raw, vocab, config, str(arg))
+        bundle._building = building
+        return bundle
+    try:
+        spec = parse_tokenizer_json(raw)
     except ValueError as err:
         raise CsdError(f"tokenizer {arg}: {tokenizer_file} is not valid JSON ({err}); re-export the tokenizer") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
@@ -245,6 +254,7 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer
     bundle._building = building
     if vocab.needs_round_trip:
         _check_added_round_trips(bundle, spec)
+    store_vocabulary(key, vocab)
     return bundle
 
 
