@@ -14,8 +14,8 @@ here; the later ones read it back in a few milliseconds.
   (family, roles, dummy prefix, fingerprint, adds_bos, the key) with the sha256 of all of it. An
   entry that is missing, unreadable, truncated or whose checksum or key does not match is ignored
   (the vocabulary is derived again and the entry rewritten); loading never executes code.
-- Writes are atomic (`<key>.safetensors.<host>.<pid>.tmp`, then rename), so concurrent runs never
-  read a partial entry; two writers of one key write the same bytes. An entry that cannot be
+- Writes are atomic (a `<key>.safetensors.<random>.tmp` of each writer's own, then rename), so
+  concurrent runs never read a partial entry; two writers of one key write the same bytes. An entry that cannot be
   written is simply not stored.
 
 Folder: env `CSD_VOCAB_CACHE`, else `~/.cache/csd-pipeline/vocabularies`; `CSD_VOCAB_CACHE=off`
@@ -119,22 +119,26 @@ def store_vocabulary(key: str | None, vocab: Vocabulary) -> None:
     folder = cache_dir()
     if key is None or folder is None:
         return
-    from safetensors.numpy import save_file
+    import tempfile
 
-    from csd_pipeline.runtime.files import tmp_path
+    from safetensors.numpy import save_file
 
     flat, starts = vocab.flat_bytes()
     tensors = {"bytes": np.ascontiguousarray(flat), "offsets": np.append(starts, flat.size).astype(np.int64),
                "flags": np.ascontiguousarray(vocab.flags, dtype=np.uint8)}
     header = json.dumps({"key": key, "format": CACHE_FORMAT, **{k: getattr(vocab, k) for k in _FIELDS}}, sort_keys=True)
     path = _entry_path(folder, key)
-    tmp = tmp_path(path)
+    tmp = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(dir=folder, prefix=f"{path.name}.", suffix=".tmp")  # one per writer
+        os.close(handle)
+        tmp = Path(name)
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps({"header": header, "checksum": _checksum(tensors, header)})})
         os.replace(tmp, path)
     except Exception:  # OSError, or safetensors' own error for the same I/O failures
         try:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
         except OSError:
             pass
