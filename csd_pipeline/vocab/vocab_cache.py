@@ -6,8 +6,8 @@ trips) is a fifth of a CPU second at 150k ids and 0.4 s at 262k. The first load 
 here; the later ones read it back in a few milliseconds.
 
 - Key: sha256 of this cache's format version, the bytes of the modules that derive a vocabulary
-  (`families.py`, `vocabulary.py`, this file), the `tokenizers` version (the round trips depend on
-  it), the tokenizer.json text and its configuration (`tokenizer_config.json`,
+  (`families.py`, `tokenizer_files.py`, `vocabulary.py`, this file), the `tokenizers` version (the
+  round trips depend on it), the tokenizer.json text and its configuration (`tokenizer_config.json`,
   `special_tokens_map.json`, chat template). A changed file, config or derivation code is a new key:
   a stale entry is never read, only left behind.
 - Value: `<key>.safetensors` holding the token bytes, their offsets and flags, and a JSON header
@@ -15,8 +15,8 @@ here; the later ones read it back in a few milliseconds.
   entry that is missing, unreadable, truncated or whose checksum or key does not match is ignored
   (the vocabulary is derived again and the entry rewritten); loading never executes code.
 - Writes are atomic (a `<key>.safetensors.<random>.tmp` of each writer's own, then rename), so
-  concurrent runs never read a partial entry; two writers of one key write the same bytes. An entry that cannot be
-  written is simply not stored.
+  concurrent runs never read a partial entry; two writers of one key write the same bytes. An
+  entry that cannot be written is simply not stored.
 
 Folder: env `CSD_VOCAB_CACHE`, else `~/.cache/csd-pipeline/vocabularies`; `CSD_VOCAB_CACHE=off`
 turns the cache off. Entries are a few MB each; deleting the folder is always safe.
@@ -37,7 +37,7 @@ CACHE_ENV = "CSD_VOCAB_CACHE"
 CACHE_FORMAT = 1
 _META_KEY = "csd_vocabulary"
 _FIELDS = ("family", "roles", "dummy_prefix", "fingerprint", "adds_bos", "needs_round_trip")
-_DERIVATION_MODULES = ("families.py", "vocabulary.py", "vocab_cache.py")
+_DERIVATION_MODULES = ("families.py", "tokenizer_files.py", "vocabulary.py", "vocab_cache.py")
 
 
 def cache_dir() -> Path | None:
