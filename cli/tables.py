@@ -26,7 +26,8 @@ def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, qu
     from csd_pipeline.vocab.tokenizer_files import open_tokenizer
 
     # build_table encodes with the destination tokenizer: built in a thread from the moment its file is
-    # read, before numpy and the table code are imported and while the vocabularies load
+    # read, before numpy and the table code are imported (Tokenizer.from_str holds the GIL, so those
+    # imports wait for it; the encoding, which is what waits for the tokenizer, starts sooner)
     opened = open_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code, start_tokenizer=True)
     from csd_pipeline.runtime.progress import set_quiet
     from csd_pipeline.vocab.tables import build_table

@@ -92,8 +92,9 @@ def parse_tokenizer_json(raw: str) -> dict:
 
 def _tokenizer_in_thread(raw_json: str, name: str):
     """(thread, outcome): a thread building the tokenizer of `raw_json`; `outcome` then holds the
-    tokenizer or the error. `Tokenizer.from_str` runs without the GIL (a third of a second for a
-    128k vocabulary), so reading vocabularies or finding prefix entries proceeds meanwhile."""
+    tokenizer or the error. `Tokenizer.from_str` (a third of a second at 150k ids, 1.2 s at 262k)
+    holds the GIL in tokenizers 0.23, so other threads wait for it unless they are in file reads
+    or `encode_batch`; building it first, before any other work needs it, keeps it off the end."""
     import threading
 
     outcome: list = []

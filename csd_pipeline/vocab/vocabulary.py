@@ -136,7 +136,7 @@ class TokenizerBundle:
 
     The `tokenizers.Tokenizer` itself is built on first use: reading the vocabulary needs only
     the JSON, which keeps table validation and manifest checks fast. `start_tokenizer` builds it
-    in a background thread instead, while this one does other work.
+    in a background thread instead (`tokenizer_files._tokenizer_in_thread`).
     """
 
     def __init__(self, raw_json: str, vocab: Vocabulary, config: dict, source: str):
