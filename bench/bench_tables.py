@@ -6,7 +6,9 @@ with Llama 2 (32k, SentencePiece) and with SmolLM2 (49k, byte-level BPE). Floor:
 needs to `encode_batch` the decoded text of every token of one vocabulary with the other
 tokenizer, both directions. Measured: the three calls `make tables` runs (two builds, one
 validate), each as its own process, as a user runs them; the best of two complete runs (one in
-quick mode). The metrics of the first pair keep their plain names; the others carry `[student-teacher]`.
+quick mode). The cache of derived vocabularies (`csd_pipeline/vocab/vocab_cache.py`) is in effect as
+for a user: the first build of a new tokenizer derives its vocabulary, later processes read it
+(`CSD_VOCAB_CACHE=off` measures without it). The metrics of the first pair keep their plain names; the others carry `[student-teacher]`.
 
 The check is on wall time. On a shared machine the wall ratio swings with the other work (the floor
 uses both cores, the processes partly one), so the CPU seconds (user + system, every thread) of the

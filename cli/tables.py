@@ -23,13 +23,18 @@ def tables():
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, quiet):
     """Build the (source -> destination) table."""
+    from csd_pipeline.vocab.tokenizer_files import open_tokenizer
+
+    # build_table encodes with the destination tokenizer: built in a thread from the moment its file is
+    # read, before numpy and the table code are imported (Tokenizer.from_str holds the GIL, so those
+    # imports wait for it; the encoding, which is what waits for the tokenizer, starts sooner)
+    opened = open_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code, start_tokenizer=True)
     from csd_pipeline.runtime.progress import set_quiet
     from csd_pipeline.vocab.tables import build_table
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     set_quiet(quiet)
-    # build_table encodes with the destination tokenizer: built in a thread while the vocabularies load
-    destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code, start_tokenizer=True)
+    destination = load_tokenizer(destination_tokenizer, trust_remote_code=trust_remote_code, opened=opened)
     source = load_tokenizer(source_tokenizer, trust_remote_code=trust_remote_code)
     table = build_table(source, destination)
     table.save(output)

@@ -213,47 +213,66 @@ def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle
     and how many of those entries are byte-exact prefix-support entries. `advance(n)`, when given,
     is told of every slice of spellings encoded (a progress bar).
     """
-    src_spellings = source.vocab.spellings()
-    dst_spellings = destination.vocab.spellings()
-    texts_bytes = list(src_spellings.keys())
+    return count_chains(destination, encode_spellings(source, destination, advance))
+
+
+def encode_spellings(source: TokenizerBundle, destination: TokenizerBundle, advance=None) -> tuple[list[bytes], list]:
+    """(every source spelling, [(its index, destination ids) for each spelling encoded with 2+ tokens]).
+
+    Reads only the source's spelling classes and the destination tokenizer (`encode_batch` runs
+    without the GIL), so another thread can work on the destination vocabulary meanwhile.
+    """
+    texts_bytes = list(source.vocab.spellings().keys())
     texts = [b.decode("utf-8", errors="replace") for b in texts_bytes]
-    dst_bytes = destination.vocab.token_bytes
-    skip = 1 if destination.vocab.dummy_prefix else 0
-    multi = covered = 0
+    tokenizer = destination.tokenizer
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, no offsets (tokenizers >= 0.21)
+    multi = []
     for start in range(0, len(texts), 16384):  # a slice at a time: its encodings are freed before the next
-        encodings = destination.tokenizer.encode_batch(texts[start:start + 16384], add_special_tokens=False)
-        for k in [k for k, n in enumerate(map(len, encodings)) if n > 1]:  # len(): the ids, without copying them
-            a_bytes, ids = texts_bytes[start + k], encodings[k].ids
-            multi += 1
-            chain = b"".join([dst_bytes[i] for i in ids])
-            if skip and chain[:1] == b" " and len(chain) == len(a_bytes) + 1:
-                chain = chain[1:]
-            last = dst_bytes[ids[-1]]
-            if chain == a_bytes and last in dst_spellings and len(last) < len(a_bytes):
-                covered += 1
+        encodings = encode(texts[start:start + 16384], add_special_tokens=False)
+        # len(): the ids, without copying them
+        multi += [(start + k, encodings[k].ids) for k in [k for k, n in enumerate(map(len, encodings)) if n > 1]]
         if advance is not None:
             advance(len(encodings))
-    return {"chains": len(texts), "multi_token_chains": multi, "chains_in_prefix_entries": covered}
+    return texts_bytes, multi
+
+
+def count_chains(destination: TokenizerBundle, encoded: tuple[list[bytes], list]) -> dict:
+    """The counts of `canonical_chain_counts` from `encode_spellings`' result."""
+    texts_bytes, multi = encoded
+    dst_spellings = destination.vocab.spellings()
+    dst_bytes = destination.vocab.token_bytes
+    skip = 1 if destination.vocab.dummy_prefix else 0
+    covered = 0
+    for k, ids in multi:
+        a_bytes = texts_bytes[k]
+        chain = b"".join([dst_bytes[i] for i in ids])
+        if skip and chain[:1] == b" " and len(chain) == len(a_bytes) + 1:
+            chain = chain[1:]
+        last = dst_bytes[ids[-1]]
+        if chain == a_bytes and last in dst_spellings and len(last) < len(a_bytes):
+            covered += 1
+    return {"chains": len(texts_bytes), "multi_token_chains": len(multi), "chains_in_prefix_entries": covered}
 
 
 def build_table(source: TokenizerBundle, destination: TokenizerBundle) -> SubtokenTable:
     """Build the (source -> destination) table from two loaded tokenizers (a progress bar on a terminal).
 
-    The destination tokenizer is built (unless `start_tokenizer` began it already) and encodes every
-    source spelling (`canonical_chain_counts`) in a second thread while this one finds the
-    prefix-support entries: `Tokenizer.from_str` and `encode_batch` release the GIL.
+    The destination tokenizer is built (unless `start_tokenizer` began it already), then encodes
+    every source spelling (`encode_spellings`) in a second thread while this one reads the
+    destination's spelling classes and finds the prefix-support entries: `encode_batch` releases
+    the GIL. (`Tokenizer.from_str` does not, so nothing else runs while the tokenizer is built.)
     """
     from concurrent.futures import ThreadPoolExecutor
 
     from csd_pipeline.runtime import progress
 
     destination.start_tokenizer()
-    destination.vocab.spellings()  # both threads read the spelling classes: computed here, once
+    source.vocab.spellings()  # both threads read the source's spelling classes: computed here, once
     with progress.bar(2 * len(source.vocab.spellings()), "tables build", "spelling", unit_scale=True) as shown:
         with ThreadPoolExecutor(1) as pool:
-            canonical = pool.submit(canonical_chain_counts, source, destination, shown.update)
+            encoded = pool.submit(encode_spellings, source, destination, shown.update)
             a, b, n = prefix_entries(source.vocab, destination.vocab, shown.update)
-            canonical = canonical.result()
+            canonical = count_chains(destination, encoded.result())
     return SubtokenTable(
         source=source.vocab,
         destination=destination.vocab,

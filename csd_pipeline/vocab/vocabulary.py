@@ -11,9 +11,7 @@ whose text does not round-trip byte-exactly is marked `untrusted` and never used
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +24,14 @@ from csd_pipeline.vocab.families import (
     token_bytes_of,
     tokenizer_family,
     tokenizer_fingerprint,
+)
+from csd_pipeline.vocab.tokenizer_files import (  # noqa: F401  (read_json_text, parse_tokenizer_json: part of this module's API)
+    TokenizerSource,
+    _tokenizer_from_json,
+    _tokenizer_in_thread,
+    open_tokenizer,
+    parse_tokenizer_json,
+    read_json_text,
 )
 
 
@@ -130,7 +136,7 @@ class TokenizerBundle:
 
     The `tokenizers.Tokenizer` itself is built on first use: reading the vocabulary needs only
     the JSON, which keeps table validation and manifest checks fast. `start_tokenizer` builds it
-    in a background thread instead, while this one does other work.
+    in a background thread instead (`tokenizer_files._tokenizer_in_thread`).
     """
 
     def __init__(self, raw_json: str, vocab: Vocabulary, config: dict, source: str):
@@ -201,41 +207,30 @@ def byte_ends_from_offsets(text: str, offsets) -> np.ndarray:
 # --------------------------------------------------------------------------- loading
 
 
-def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer: bool = False) -> TokenizerBundle:
+def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer: bool = False,
+                   opened: TokenizerSource | None = None) -> TokenizerBundle:
     """Load a fast tokenizer from a tokenizer.json, a model/tokenizer directory or a hub name.
 
     Fixture names (`llama-bpe`, `qwen2`, `gpt-2`, `llama-spm`, `smollm2`) resolve to the
     cached fixtures. Raises CsdError for a missing/unreadable file, a slow-only tokenizer or an
     unsupported family. `start_tokenizer`: build the `tokenizers.Tokenizer` in a thread from the
-    moment the file is read (see `TokenizerBundle.start_tokenizer`), not on first use.
+    moment the file is read (see `TokenizerBundle.start_tokenizer`), not on first use. `opened`: the
+    file as `vocab.tokenizer_files.open_tokenizer(arg, ...)` already read it (and maybe began its tokenizer).
+    The vocabulary is read from the cache of derived vocabularies when an earlier run stored it
+    (`vocab.vocab_cache`), else derived and stored.
     """
-    from csd_pipeline.fixtures.names import resolve_tokenizer_arg
+    from csd_pipeline.vocab.vocab_cache import load_cached_vocabulary, store_vocabulary, vocabulary_key
 
-    resolved = resolve_tokenizer_arg(str(arg))
-    path = Path(resolved)
-    if path.is_file():
-        tokenizer_file, config = path, _read_config(path.parent, only_if_sibling=path)
-    elif path.is_dir():
-        tokenizer_file = path / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            if any((path / name).exists() for name in ("tokenizer.model", "vocab.json", "vocab.txt")):
-                raise CsdError(
-                    f"tokenizer {arg}: the folder has no tokenizer.json, only a slow (non-fast) tokenizer; "
-                    "convert it once with transformers (AutoTokenizer.from_pretrained(...).save_pretrained(...)) "
-                    "and pass the saved folder"
-                )
-            raise CsdError(f"tokenizer {arg}: no tokenizer.json in this folder; pass a tokenizer.json file or a model folder")
-        config = _read_config(path)
-    elif os.sep in arg or arg.endswith(".json") or arg.startswith("."):
-        raise CsdError(f"tokenizer {arg}: no such file or folder; check the path (or run `make fixtures` for fixture names)")
-    else:
-        tokenizer_file, config = _from_hub(arg, trust_remote_code)
+    source = opened or open_tokenizer(arg, trust_remote_code=trust_remote_code, start_tokenizer=start_tokenizer)
+    raw, config, tokenizer_file, building = source.raw_json, source.config, source.file, source.building
+    key = vocabulary_key(raw, config)
+    vocab = load_cached_vocabulary(key, str(arg))  # derived by an earlier run from the same file and code
+    if vocab is not None:
+        bundle = TokenizerBundle(raw, vocab, config, str(arg))
+        bundle._building = building
+        return bundle
     try:
-        raw = read_json_text(tokenizer_file)
-        building = _tokenizer_in_thread(raw, str(arg)) if start_tokenizer else None
         spec = parse_tokenizer_json(raw)
-    except (OSError, UnicodeDecodeError) as err:
-        raise CsdError(f"tokenizer {arg}: cannot read {tokenizer_file} ({err.__class__.__name__}); check the file") from None
     except ValueError as err:
         raise CsdError(f"tokenizer {arg}: {tokenizer_file} is not valid JSON ({err}); re-export the tokenizer") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
@@ -245,108 +240,8 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer
     bundle._building = building
     if vocab.needs_round_trip:
         _check_added_round_trips(bundle, spec)
+    store_vocabulary(key, vocab)
     return bundle
-
-
-def read_json_text(path: Path) -> str:
-    """`path.read_text(encoding="utf-8")`, read and decoded in one piece (a 16 MB tokenizer.json
-    three times faster than through `read_text`'s incremental decoder), newlines translated the same
-    way (`\r\n` and a lone `\r` become `\n`), so fingerprints do not change."""
-    text = path.read_bytes().decode("utf-8")
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
-
-
-def parse_tokenizer_json(raw: str) -> dict:
-    """`json.loads` of a tokenizer.json, leaving a BPE model's merges out when they can be cut cleanly.
-
-    The vocabulary never reads the merges (the `tokenizers` library parses its own copy), and they
-    are most of the parse: a third of the time for Llama 3's tokenizer. They are the file's last
-    array (serialised last in `model`, itself the last key); the result keeps `"merges": []` then.
-    Anything unexpected falls back to parsing everything. Raises ValueError on invalid JSON.
-    """
-    key, close = raw.rfind('"merges"'), raw.rfind("]")
-    if 0 < key < close and "".join(raw[close + 1:].split()) == "}}":
-        try:
-            spec = json.loads(raw[:key] + '"merges": []' + raw[close + 1:])
-        except ValueError:
-            spec = None
-        if isinstance(spec, dict) and isinstance(spec.get("model"), dict) and spec["model"].get("merges") == []:
-            return spec
-    return json.loads(raw)
-
-
-def _tokenizer_in_thread(raw_json: str, name: str):
-    """(thread, outcome): a thread building the tokenizer of `raw_json`; `outcome` then holds the
-    tokenizer or the error. `Tokenizer.from_str` runs without the GIL (a third of a second for a
-    128k vocabulary), so reading vocabularies or finding prefix entries proceeds meanwhile."""
-    import threading
-
-    outcome: list = []
-
-    def build():
-        try:
-            outcome.append(_tokenizer_from_json(raw_json, name))
-        except Exception as err:  # raised in the thread that asks for the tokenizer
-            outcome.append(err)
-
-    thread = threading.Thread(target=build, name=f"tokenizer {name}", daemon=True)
-    thread.start()
-    return thread, outcome
-
-
-def _tokenizer_from_json(raw_json: str, name: str):
-    from tokenizers import Tokenizer
-
-    try:
-        tokenizer = Tokenizer.from_str(raw_json)
-    except Exception as err:  # tokenizers raises a plain Exception on a malformed description
-        first = str(err).splitlines()[0] if str(err) else err.__class__.__name__
-        raise CsdError(f"tokenizer {name}: the tokenizers library cannot load it ({first})") from None
-    # Corpus text is never parsed into special tokens.
-    tokenizer.encode_special_tokens = True
-    return tokenizer
-
-
-def _read_config(folder: Path, only_if_sibling: Path | None = None) -> dict:
-    config: dict = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        f = folder / name
-        if f.is_file():
-            try:
-                data = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as err:
-                raise CsdError(f"tokenizer config {f}: unreadable JSON ({err.__class__.__name__}); fix or remove it") from None
-            for key, value in data.items():
-                config.setdefault(key, value)
-    template = folder / "chat_template.jinja"
-    if "chat_template" not in config and template.is_file():
-        config["chat_template"] = template.read_text(encoding="utf-8")
-    return config
-
-
-def _from_hub(name: str, trust_remote_code: bool) -> tuple[Path, dict]:
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError:
-        raise CsdError(f"tokenizer {name}: not a local path, and huggingface_hub is not installed to fetch it") from None
-    try:
-        tokenizer_file = Path(hf_hub_download(name, "tokenizer.json"))
-    except Exception as err:
-        raise CsdError(
-            f"tokenizer {name}: not a local path and not fetchable from the hub ({err.__class__.__name__}); "
-            "pass a local tokenizer.json or folder"
-        ) from None
-    config: dict = {}
-    for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            extra_path = Path(hf_hub_download(name, extra))
-            for key, value in json.loads(extra_path.read_text(encoding="utf-8")).items():
-                config.setdefault(key, value)
-        except Exception:
-            continue
-    return tokenizer_file, config
 
 
 def build_vocabulary(spec: dict, config: dict, *, name: str, raw_json: str) -> Vocabulary:
