@@ -2,8 +2,8 @@
 
 A reader never sees half a file: everything is written under a temporary name next to its final
 path, flushed to disk, then renamed over it (`os.replace`, atomic on POSIX file systems).
-Temporary names end with `.tmp`, so listings ignore them, and carry the host name and process id,
-so ranks that share a file system never write the same temporary file.
+Temporary names end with `.tmp`, so listings ignore them, and carry the host name, process id and
+(outside the main thread) thread id, so ranks or threads never write the same temporary file.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,9 +22,11 @@ HASH_BLOCK = 1 << 20
 
 
 def tmp_path(path) -> Path:
-    """The temporary name of `path` for this host and process: `<name>.<host>.<pid>.tmp`, same folder."""
+    """The temporary name of `path` for this host, process and thread: `<name>.<host>.<pid>[-<thread>].tmp`,
+    same folder (the thread only outside the main thread, so threads that write one file never share it)."""
     path = Path(path)
-    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+    thread = "" if threading.current_thread() is threading.main_thread() else f"-{threading.get_ident()}"
+    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}{thread}.tmp")
 
 
 def commit(tmp, path) -> None:

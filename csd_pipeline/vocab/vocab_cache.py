@@ -14,7 +14,7 @@ here; the later ones read it back in a few milliseconds.
   (family, roles, dummy prefix, fingerprint, adds_bos, the key) with the sha256 of all of it. An
   entry that is missing, unreadable, truncated or whose checksum or key does not match is ignored
   (the vocabulary is derived again and the entry rewritten); loading never executes code.
-- Writes are atomic (a `<key>.safetensors.<random>.tmp` of each writer's own, then rename), so
+- Writes are atomic (`runtime/files.atomic_path`: a temporary name per host, process and thread, then rename), so
   concurrent runs never read a partial entry; two writers of one key write the same bytes. An
   entry that cannot be written is simply not stored.
 
@@ -119,26 +119,17 @@ def store_vocabulary(key: str | None, vocab: Vocabulary) -> None:
     folder = cache_dir()
     if key is None or folder is None:
         return
-    import tempfile
-
     from safetensors.numpy import save_file
+
+    from csd_pipeline.runtime.files import atomic_path
 
     flat, starts = vocab.flat_bytes()
     tensors = {"bytes": np.ascontiguousarray(flat), "offsets": np.append(starts, flat.size).astype(np.int64),
                "flags": np.ascontiguousarray(vocab.flags, dtype=np.uint8)}
     header = json.dumps({"key": key, "format": CACHE_FORMAT, **{k: getattr(vocab, k) for k in _FIELDS}}, sort_keys=True)
-    path = _entry_path(folder, key)
-    tmp = None
+    metadata = {_META_KEY: json.dumps({"header": header, "checksum": _checksum(tensors, header)})}
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        handle, name = tempfile.mkstemp(dir=folder, prefix=f"{path.name}.", suffix=".tmp")  # one per writer
-        os.close(handle)
-        tmp = Path(name)
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps({"header": header, "checksum": _checksum(tensors, header)})})
-        os.replace(tmp, path)
-    except Exception:  # OSError, or safetensors' own error for the same I/O failures
-        try:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        with atomic_path(_entry_path(folder, key)) as tmp:  # a temporary name per host, process and thread
+            save_file(tensors, str(tmp), metadata=metadata)
+    except Exception:  # OSError, or safetensors' own error for the same I/O failures: not stored
+        pass
