@@ -18,8 +18,9 @@ top-128 stored once; the arms differ only in which teachers the loss reads and h
 Regimes `data-limited` and `data-rich` train the 4-layer student from scratch (Llama 2 tokenizer) as
 bench_quality does. Regime `pretrained` continues SmolLM2-135M-Instruct itself as the student (its own
 tokenizer) on a King James Bible slice (`bench/corpus/kjv-*`, PRETRAINED: 40 steps of 2 x 256 tokens,
-about 0.4 of an epoch, held-out evaluation at the end) with `ce` and CSD from Gemma 3 (`gemma3`, and
-`gemma3 t1` without the teacher temperature), at a fine-tuning learning rate; it also measures the
+about 0.4 of an epoch, held-out evaluation at the end) with `ce` and CSD from Gemma 3 (`gemma3`;
+`gemma3 t1` without the teacher temperature; `gemma3 w0.1` also with a tenth of the KD weight), at a
+fine-tuning learning rate; it also measures the
 untouched model's held-out bits per byte ("before"), and every run's exported model with the same
 command (`csd-pipeline bits-per-byte`).
 
@@ -75,12 +76,14 @@ PRETRAINED = {"train": "bench/corpus/kjv-train.jsonl", "heldout": "bench/corpus/
               "student": "smollm2-135m-instruct", "tokenizer": "smollm2", "teachers": (TEACHERS[1],),
               "lr": "5e-5", "warmup": 5, "eval_points": 1}
 # `gemma3 t1`: the same without the teacher temperature (a pretrained student may not want a softened teacher).
+# `gemma3 w0.1`: and with a tenth of the KD weight (a teacher the fine-tuned student overtakes pulls less).
 PRETRAINED_ARMS = {"ce": ["--loss", "ce"], "gemma3": [*KD, "--kd-teachers", "0:1"],
-                   "gemma3 t1": [*KD[:KD.index("--teacher-temperature")], "--kd-teachers", "0:1"]}
+                   "gemma3 t1": [*KD[:KD.index("--teacher-temperature")], "--kd-teachers", "0:1"],
+                   "gemma3 w0.1": [*KD[:KD.index("--teacher-temperature")], "--kd-teachers", "0:1", "--kd-weight", "0.1"]}
 ALL_REGIMES = [*REGIMES, "pretrained"]
-# The estimate printed before a run: seconds per step of a one-teacher CSD arm on 2 CPU cores (bench_quality's
-# runs for the from-scratch student; a 135M student is forward + backward of ~0.5 TFLOP per step).
-SECONDS_PER_STEP_GUESS = {"data-limited": 0.4, "data-rich": 0.4, "pretrained": 15.0}
+# The estimate printed before a run: seconds per step of a one-teacher CSD arm, measured with two runs side by
+# side on 2 CPU cores, one thread each (docs/RESULTS.md: 0.40-0.44 s from scratch, 7.8-7.9 s for SmolLM2-135M).
+SECONDS_PER_STEP_GUESS = {"data-limited": 0.4, "data-rich": 0.4, "pretrained": 8.0}
 
 
 def regime_spec(regime: str) -> dict:
