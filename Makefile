@@ -20,7 +20,7 @@ help:
 	@echo "make bench       speed benchmarks (table + JSON in bench-results/)"
 	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
 	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 3 hours)"
-	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (hours)"
+	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (about 3 hours)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 
 $(STAMP): pyproject.toml
@@ -65,7 +65,7 @@ bench-compare: fixtures
 	$(PY) bench/bench_quality.py --comparison --jobs 2
 
 bench-teachers: fixtures
-	$(PY) bench/bench_teachers.py
+	$(PY) bench/bench_teachers.py --jobs 2
 
 lint: venv
 	$(VENV)/bin/ruff check csd_pipeline cli trainer schemas tests bench
