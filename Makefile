@@ -39,8 +39,9 @@ fixtures: venv
 test: fixtures
 	$(PY) -m pytest -q tests
 
+# two worker processes, a test file each at a time (pytest-xdist): the fast tier's budget is 2 minutes on 2 cores
 test-fast: fixtures
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 # STUDENT / TEACHER: a fixture name (llama-bpe, qwen2, gpt-2, llama-spm, smollm2) or a tokenizer path.
 tables: fixtures

@@ -177,6 +177,10 @@ MOVED_TO_SLOW = {
     "tests/trainer/test_run.py::test_stop_and_resume_logs_exactly_the_same_losses",  # -> test_uninterrupted_run_...
     "tests/reliability/test_io.py::test_train_into_a_read_only_folder",  # -> test_align_into_a_read_only_folder
     "tests/loss/test_baselines.py::test_loss_and_gradient_match_reference[llama-spm/gpt-2-uld-]",  # -> other pairs
+    # -> the same test on gpt-2, smollm2 (ByteLevel) and llama-spm (SentencePiece)
+    "tests/vocab/test_vocab_cache.py::test_cached_vocabulary_is_the_derived_one[gemma3]",
+    "tests/vocab/test_vocab_cache.py::test_cached_vocabulary_is_the_derived_one[llama-bpe]",
+    "tests/vocab/test_vocab_cache.py::test_cached_vocabulary_is_the_derived_one[qwen2]",
 }
 
 
