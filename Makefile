@@ -45,10 +45,8 @@ test-fast: fixtures
 
 # STUDENT / TEACHER: a fixture name (llama-bpe, qwen2, gpt-2, llama-spm, smollm2) or a tokenizer path.
 tables: fixtures
-	@mkdir -p $(TABLES_DIR)
-	$(VENV)/bin/csd-pipeline tables build --source-tokenizer $(STUDENT) --destination-tokenizer $(TEACHER) --output $(TABLES_DIR)/student_to_teacher.safetensors
-	$(VENV)/bin/csd-pipeline tables build --source-tokenizer $(TEACHER) --destination-tokenizer $(STUDENT) --output $(TABLES_DIR)/teacher_to_student.safetensors
-	$(VENV)/bin/csd-pipeline tables validate --student-tokenizer $(STUDENT) --teacher-tokenizer $(TEACHER) --student-to-teacher $(TABLES_DIR)/student_to_teacher.safetensors --teacher-to-student $(TABLES_DIR)/teacher_to_student.safetensors
+# both tables and their validation in one call (the same files as two `tables build` and one `tables validate`)
+	$(VENV)/bin/csd-pipeline tables build-both --student-tokenizer $(STUDENT) --teacher-tokenizer $(TEACHER) --output-dir $(TABLES_DIR)
 
 demo: fixtures
 	$(PY) demo/run.py

@@ -1,4 +1,4 @@
-"""`csd-pipeline tables build | validate | inspect`."""
+"""`csd-pipeline tables build | validate | build-both | inspect`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import click
 
 from cli.options import config_option
-from csd_pipeline.vocab.config import TableBuildConfig, TableCheckConfig
+from csd_pipeline.vocab.config import TableBuildConfig, TableCheckConfig, TablePairConfig
 
 
 @click.group()
@@ -68,6 +68,30 @@ def validate(student_tokenizer, teacher_tokenizer, student_to_teacher, teacher_t
         click.echo(json.dumps({"ok": True, "tables": report}, sort_keys=True))
     else:
         click.echo(f"ok: {student_to_teacher} and {teacher_to_student} match {student_tokenizer} and {teacher_tokenizer}")
+
+
+@tables.command("build-both")
+@config_option(TablePairConfig, "student_tokenizer")
+@config_option(TablePairConfig, "teacher_tokenizer")
+@config_option(TablePairConfig, "output_dir", type=click.Path(file_okay=False))
+@config_option(TablePairConfig, "sample")
+@config_option(TablePairConfig, "trust_remote_code")
+@click.option("--quiet", is_flag=True, help="Print nothing but errors.")
+def build_both(student_tokenizer, teacher_tokenizer, output_dir, sample, trust_remote_code, quiet):
+    """Build both tables of a pair and validate them (what `make tables` runs): the files of two
+    `tables build` calls, then `tables validate`, in one process."""
+    from csd_pipeline.runtime.progress import set_quiet
+    from csd_pipeline.vocab.table_pair import build_and_validate_pair
+
+    set_quiet(quiet)
+    result = build_and_validate_pair(student_tokenizer, teacher_tokenizer, output_dir, sample=sample,
+                                     trust_remote_code=trust_remote_code)
+    if not quiet:
+        for key in ("student_to_teacher", "teacher_to_student"):
+            c = result["report"][key.replace("_", "-")]
+            click.echo(f"wrote {result[key]}: {c['source_vocab_size']} -> {c['destination_vocab_size']} ids, "
+                       f"{c['common_spellings']} common spellings, {c['prefix_entries']} prefix entries")
+        click.echo(f"ok: both tables match {student_tokenizer} and {teacher_tokenizer}")
 
 
 @tables.command()

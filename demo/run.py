@@ -71,12 +71,8 @@ def main(argv: list[str]) -> int:
     print("== 1. tables: byte-exact sub-token tables, both directions, then validate")
     tables = out / "tables"
     s2t, t2s = tables / "student_to_teacher.safetensors", tables / "teacher_to_student.safetensors"
-    sh([pipeline, "tables", "build", "--source-tokenizer", STUDENT_TOKENIZER,
-        "--destination-tokenizer", TEACHER_TOKENIZER, "--output", s2t])
-    sh([pipeline, "tables", "build", "--source-tokenizer", TEACHER_TOKENIZER,
-        "--destination-tokenizer", STUDENT_TOKENIZER, "--output", t2s])
-    sh([pipeline, "tables", "validate", "--student-tokenizer", STUDENT_TOKENIZER, "--teacher-tokenizer",
-        TEACHER_TOKENIZER, "--student-to-teacher", s2t, "--teacher-to-student", t2s])
+    sh([pipeline, "tables", "build-both", "--student-tokenizer", STUDENT_TOKENIZER,
+        "--teacher-tokenizer", TEACHER_TOKENIZER, "--output-dir", tables])
     table_counts = json.loads(sh([pipeline, "tables", "inspect", s2t, "--json"], capture=True))
 
     print("\n== 2. align: training and held-out documents, windows of at most 256 student tokens")

@@ -1,4 +1,4 @@
-"""The options of `csd-pipeline tables build` and `tables validate`, each with its one default and help.
+"""The options of `csd-pipeline tables build`, `tables validate` and `tables build-both`, each with its one default and help.
 
 The click commands (`cli/tables.py`) build their flags from these fields.
 """
@@ -31,3 +31,14 @@ class TableCheckConfig:
     student_to_teacher: str = option(help="The student->teacher table file.")
     teacher_to_student: str = option(help="The teacher->student table file.")
     sample: int = option(2000, "Entries re-derived from the tokenizers per check.")
+
+
+@dataclass
+class TablePairConfig:
+    """Options of `csd-pipeline tables build-both`: both tables of a pair, then their validation."""
+
+    student_tokenizer: str = option(help=TOKENIZER_HELP)
+    teacher_tokenizer: str = option(help=TOKENIZER_HELP)
+    output_dir: str = option(help="Folder to write student_to_teacher.safetensors and teacher_to_student.safetensors into.")
+    sample: int = option(TableCheckConfig.sample, "Entries re-derived from the tokenizers per check.")
+    trust_remote_code: bool = option(False, "Allow a hub tokenizer's remote code (off by default).")

@@ -222,18 +222,16 @@ def encode_spellings(source: TokenizerBundle, destination: TokenizerBundle, adva
     Reads only the source's spelling classes and the destination tokenizer (`encode_batch` runs
     without the GIL), so another thread can work on the destination vocabulary meanwhile.
     """
-    texts_bytes = list(source.vocab.spellings().keys())
-    texts = [b.decode("utf-8", errors="replace") for b in texts_bytes]
-    tokenizer = destination.tokenizer
-    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)  # the same ids, no offsets (tokenizers >= 0.21)
-    multi = []
-    for start in range(0, len(texts), 16384):  # a slice at a time: its encodings are freed before the next
-        encodings = encode(texts[start:start + 16384], add_special_tokens=False)
-        # len(): the ids, without copying them
-        multi += [(start + k, encodings[k].ids) for k in [k for k, n in enumerate(map(len, encodings)) if n > 1]]
-        if advance is not None:
-            advance(len(encodings))
-    return texts_bytes, multi
+    from csd_pipeline.vocab.chain_encoder import multi_token_chains
+
+    texts_bytes, texts = spelling_texts(source.vocab)
+    return texts_bytes, multi_token_chains(destination.tokenizer, texts, advance)
+
+
+def spelling_texts(vocab: Vocabulary) -> tuple[list[bytes], list[str]]:
+    """(every spelling of `vocab`, its text as a tokenizer reads it: UTF-8, invalid bytes replaced)."""
+    texts_bytes = list(vocab.spellings().keys())
+    return texts_bytes, [b.decode("utf-8", errors="replace") for b in texts_bytes]
 
 
 def count_chains(destination: TokenizerBundle, encoded: tuple[list[bytes], list]) -> dict:

@@ -1,8 +1,9 @@
 """A content-addressed cache of derived vocabularies, so a tokenizer is derived once, not once per process.
 
-`make tables` runs three processes (two builds, one validate) that each load the same two tokenizers;
-deriving a `Vocabulary` (parsing the tokenizer.json, every token's bytes, the added tokens' round
-trips) is a fifth of a CPU second at 150k ids and 0.4 s at 262k. The first load stores the result
+Every command and every worker process derives the vocabularies of the tokenizers it loads (the
+two `tables build` calls and `tables validate`, align and its workers, the trainer); deriving a
+`Vocabulary` (parsing the tokenizer.json, every token's bytes, the added tokens' round trips) is a
+fifth of a CPU second at 150k ids and 0.4 s at 262k. The first load stores the result
 here; the later ones read it back in a few milliseconds.
 
 - Key: sha256 of this cache's format version, the bytes of the modules that derive a vocabulary

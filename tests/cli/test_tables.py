@@ -53,6 +53,30 @@ def test_build_validate_inspect_round_trip(built_tables):
     assert counts["multi_id_spellings_destination"] > 0  # SentencePiece byte pieces
 
 
+def test_build_both_writes_the_same_bytes_and_validates(built_tables, tmp_path):
+    """`tables build-both` (what `make tables` runs): the files of the two `tables build` calls, byte
+    for byte, and a passing validation of them."""
+    s2t, t2s = built_tables
+    r = run_cli("tables", "build-both", "--student-tokenizer", "gpt-2", "--teacher-tokenizer", "llama-spm",
+                "--output-dir", tmp_path / "pair")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "pair" / "student_to_teacher.safetensors").read_bytes() == Path(s2t).read_bytes()
+    assert (tmp_path / "pair" / "teacher_to_student.safetensors").read_bytes() == Path(t2s).read_bytes()
+    assert r.stdout.strip().splitlines()[-1] == "ok: both tables match gpt-2 and llama-spm"
+
+
+def test_build_both_bad_tokenizer_is_one_line(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{ this is not json", encoding="utf-8")
+    r = run_cli("tables", "build-both", "--student-tokenizer", bad, "--teacher-tokenizer", "gpt-2",
+                "--output-dir", tmp_path / "pair")
+    assert_one_line_error(r, "not valid JSON")
+    r = run_cli("tables", "build-both", "--student-tokenizer", "gpt-2", "--teacher-tokenizer", tmp_path / "nope.json",
+                "--output-dir", tmp_path / "pair")
+    assert_one_line_error(r, "no such file")
+    assert not (tmp_path / "pair").exists()
+
+
 def test_missing_tokenizer_file(tmp_path):
     r = run_cli("tables", "build", "--source-tokenizer", tmp_path / "nope" / "tokenizer.json",
                 "--destination-tokenizer", "gpt-2", "--output", tmp_path / "t.safetensors")

@@ -107,3 +107,24 @@ def test_validate_accepts_matching_tables_and_rejects_swapped(tmp_path):
         validate_tables(bundle("gpt-2"), bundle("llama-spm"), t2s, s2t)
     with pytest.raises(CsdError, match="fingerprint"):
         validate_tables(bundle("smollm2"), bundle("llama-spm"), s2t, t2s)
+
+
+def test_chain_encoder_process_matches_in_process_chains_and_reports_errors(tmp_path):
+    """The helper process of `tables build-both` gives the chains `encode_spellings` gives, and a
+    tokenizer it cannot build comes back as the one-line CsdError, not a hang or a traceback."""
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.vocab.chain_encoder import ChainEncoderProcess
+    from csd_pipeline.vocab.tables import encode_spellings, spelling_texts
+
+    source, destination = bundle("smollm2"), bundle("llama-spm")
+    expected = encode_spellings(source, destination)[1]
+    with ChainEncoderProcess(tokenizer_path("llama-spm") / "tokenizer.json", "llama-spm") as encoder:
+        encoder.send(spelling_texts(source.vocab)[1])
+        assert encoder.result() == [(k, list(ids)) for k, ids in expected]
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text('{"model": {"type": "BPE", "vocab": 3}}', encoding="utf-8")
+    with ChainEncoderProcess(broken, "broken") as encoder:
+        encoder.send(["a", "b"])
+        with pytest.raises(CsdError, match="tokenizer broken: the tokenizers library cannot load it"):
+            encoder.result()
