@@ -162,12 +162,13 @@ class LossConfig:
                                   choices=DIVERGENCES)
     teacher_control: str = _opt("none", "shuffled: give each stored teacher row to another position of the batch "
                                         "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
-    loss_chunk_size: int = _opt(0, "positions per chunk of the student log-softmax (0: auto, about 2^25 logits)")
+    loss_chunk_size: int = _opt(0, "positions per row chunk of the student log-softmax (0: auto, 2,048; the "
+                                   "vocabulary goes in blocks of about 2^24 logits)")
     loss_keep_mb: int = _opt(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
                                 "recomputing them (0: none, the least memory; more is faster)")
     loss_keep_dtype: str = _opt(DEFAULT_KEEP_DTYPE, "how the kept logits are stored: float32 (exact), float16 "
-                                                    "or bfloat16 (their log-probabilities, twice the chunks per "
-                                                    "MiB, rounded: docs/TRAINING.md)", choices=KEEP_DTYPES)
+                                                    "or bfloat16 (twice the rows per MiB, rounded: "
+                                                    "docs/TRAINING.md)", choices=KEEP_DTYPES)
 
     @property
     def uses_teachers(self) -> bool:

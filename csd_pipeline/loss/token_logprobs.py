@@ -1,19 +1,27 @@
 """Student log-probabilities at requested (position, token) pairs, without a [positions x vocab] tensor.
 
 `chunked_token_logprobs(hidden, weight, positions, tokens)` computes log softmax(h W^T)[p, t] for the
-requested pairs: logits are formed one position chunk at a time in forward and recomputed in
-backward (as fused LM-head losses do). Only h, W and one logsumexp per position are saved, plus,
-within `keep_bytes`, what the backward needs of the first chunks' softmax: the backward reuses it
-instead of recomputing the chunk (one matrix product of the four per chunk), so memory buys speed.
-`keep_dtype` says how a kept chunk is stored: "float32" (the default) keeps the exponentiated
-logits exp(z - row max) and their row sums in the accumulation dtype, exactly; "float16" or
-"bfloat16" keeps the chunk's log-probabilities z - logsumexp(z) in that dtype, half the bytes, so
-twice the chunks fit in the same budget. Rounding log p to a 16-bit float with unit roundoff u
-(2^-11 for float16, 2^-8 for bfloat16) changes each probability by a factor exp(+-u |log p|), so
-the softmax row's L1 error is at most about u x its entropy in nats: small where the gradient
-1[t] - p cancels (p near 1, log p near 0) and relative error bounded for tiny probabilities
-(no underflow above log p = -65,504). The backward turns a kept 16-bit chunk back into the
-accumulation dtype in row blocks no larger than the kept chunk, so it holds no extra chunk.
+requested pairs one *block* of logits at a time: the requested positions go in row chunks
+(`chunk_size` rows, default 2,048) and the vocabulary in column blocks (`vocab_block` ids, default
+about 2^24 logits per block, 8,192 ids at V = 128k), so every matrix product is a wide one (a row
+chunk against a vocabulary block: on a CPU the product of 261 rows against the whole 128k head ran
+about 20% slower per row than 2,048 rows against 8,192 ids). The forward takes each row's
+logsumexp across the blocks as it goes (a running max and a rescaled sum); the backward forms the
+blocks again (as fused LM-head losses do) and accumulates the gradients of h and of W block by block.
+Only h, W and one logsumexp per position are saved, plus, within `keep_bytes`, what the backward
+needs of the first rows' softmax: the backward reuses it instead of recomputing the block (one
+matrix product of the three per block), so memory buys speed. A kept block is stored as z - m,
+the logits less the block's own row maxima (with m - logsumexp, one number per row and block, the
+backward rebuilds log p exactly), in `keep_dtype`: "float32" (the default; float64 for float64
+inputs) or "float16" / "bfloat16", half the bytes, so twice the rows fit in the same budget. Rounding
+z - m (|z - m| <= |log p|, since m <= logsumexp; m - logsumexp is kept as (m - the row's max) -
+log sum exp(z - max), exact for the block holding the max even where log p is below float rounding
+of the logits) to a 16-bit float with unit roundoff u (2^-11 for
+float16, 2^-8 for bfloat16) changes each probability by a factor within exp(+-u |log p|), so the
+softmax row's L1 error is at most about u x its entropy in nats: small where the gradient
+1[t] - p cancels (p near 1, log p near 0) and relative error bounded for tiny probabilities (no
+underflow above log p = -65,504). The backward turns a kept block back into the accumulation dtype
+one block at a time, so it holds no more than one block beside what is kept.
 `dense_token_logprobs(logits, positions, tokens)` does the same from materialised logits (tests,
 small models). The CSD loss (`loss.csd`) and held-out bits per byte gather from these.
 
@@ -29,13 +37,13 @@ from csd_pipeline.errors import CsdError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-DEFAULT_CHUNK_SIZE = None  # auto: about 2^25 logits (128 MiB in float32) per position chunk
+DEFAULT_CHUNK_SIZE = None  # auto: 2,048 rows (more when the vocabulary is small; see auto_chunk_size)
 DEFAULT_KEEP_BYTES = 0  # logits kept from forward for backward: none (the least memory)
-KEEP_DTYPES = ("float32", "bfloat16", "float16")  # how kept chunks are stored (see the module docstring)
+KEEP_DTYPES = ("float32", "bfloat16", "float16")  # how kept blocks are stored (see the module docstring)
 DEFAULT_KEEP_DTYPE = "float32"
-KEEP_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # u of the 16-bit kept log-probabilities
-_AUTO_CHUNK_ELEMENTS = 1 << 25
-_EXP_BLOCK_ROWS = 16  # rows per block of the forward's exp-and-sum when it keeps 16-bit log-probabilities
+KEEP_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # u of the 16-bit kept values
+_AUTO_ROWS = 2048
+_AUTO_BLOCK_ELEMENTS = 1 << 24  # logits per block: 64 MiB in float32
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,33 +52,41 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _request_layout(positions: torch.Tensor, tokens: torch.Tensor, chunk_size: int):
-    """Sort requests by position; return the unique positions, per-chunk request ranges and the
-    request end of each unique position (host list, for splitting a chunk into row blocks)."""
-    import torch
+class _Layout:
+    """Where each request goes: unique positions (rows), row chunks and vocabulary blocks.
 
-    order = torch.argsort(positions, stable=True)
-    pos_sorted = positions[order]
-    tok_sorted = tokens[order]
-    unique_pos, counts = torch.unique_consecutive(pos_sorted, return_counts=True)
-    row_of_request = torch.repeat_interleave(torch.arange(unique_pos.numel(), device=positions.device), counts)
-    # Request range of each position chunk: one host sync per call, not one per chunk.
-    ends = torch.cumsum(counts, 0).cpu().tolist()
-    return order, unique_pos, row_of_request, tok_sorted, _row_blocks(ends, 0, unique_pos.numel(), chunk_size), ends
+    Requests are reordered by (row chunk, vocabulary block), stably, so the ones a block answers are
+    one slice: `span(chunk, block)`. `order[i]` is the original index of reordered request i,
+    `row[i]` its row (index into `unique_pos`) and `token[i]` its token id. The first `kept_rows`
+    rows are the ones whose blocks the forward keeps; a row chunk never straddles that boundary."""
+
+    def __init__(self, positions, tokens, chunk_size: int, vocab_size: int, vocab_block: int, kept_rows: int):
+        import torch
+
+        by_position = torch.argsort(positions, stable=True)
+        self.unique_pos, counts = torch.unique_consecutive(positions[by_position], return_counts=True)
+        rows = self.unique_pos.numel()
+        self.kept_rows = min(kept_rows, rows)
+        self.chunks = [(a, min(a + chunk_size, stop)) for start, stop in ((0, self.kept_rows), (self.kept_rows, rows))
+                       for a in range(start, stop, chunk_size)]
+        self.blocks = [(v, min(v + vocab_block, vocab_size)) for v in range(0, vocab_size, vocab_block)]
+        device = positions.device
+        row = torch.repeat_interleave(torch.arange(rows, device=device), counts)
+        starts = torch.tensor([a for a, _ in self.chunks], dtype=torch.int64, device=device)
+        key = (torch.searchsorted(starts, row, right=True) - 1) * len(self.blocks) + tokens[by_position] // vocab_block
+        regroup = torch.argsort(key, stable=True)
+        self.order, self.row, self.token = by_position[regroup], row[regroup], tokens[by_position][regroup]
+        ends = torch.cumsum(torch.bincount(key, minlength=len(self.chunks) * len(self.blocks)), 0)
+        self._ends = [0] + ends.cpu().tolist()  # one host sync per call, not one per block
+
+    def span(self, chunk: int, block: int) -> tuple[int, int]:
+        """The reordered requests of row chunk `chunk` whose tokens lie in vocabulary block `block`."""
+        k = chunk * len(self.blocks) + block
+        return self._ends[k], self._ends[k + 1]
 
 
-def _row_blocks(ends: list, start: int, stop: int, rows: int) -> list:
-    """(a, b, lo, hi) for each block of `rows` unique positions in [start, stop): rows a..b-1 and
-    their requests lo..hi-1 (`ends`: the request end of each unique position)."""
-    bounds = []
-    for a in range(start, stop, rows):
-        b = min(a + rows, stop)
-        bounds.append((a, b, ends[a - 1] if a > 0 else 0, ends[b - 1]))
-    return bounds
-
-
-def _chunk_logits(hidden_rows, weight, acc_dtype):
-    logits = hidden_rows @ weight.T
+def _chunk_logits(hidden_rows, weight_block, acc_dtype):
+    logits = hidden_rows @ weight_block.T
     return logits if logits.dtype == acc_dtype else logits.to(acc_dtype)
 
 
@@ -84,114 +100,102 @@ def _keep_torch_dtype(keep_dtype: str):
     return None if keep_dtype == "float32" else getattr(torch, keep_dtype)
 
 
-def _exp_row_sums(z):
-    """sum(exp(z), dim=-1) of a [rows, V] tensor, a block of rows at a time (no second [rows, V] tensor)."""
-    import torch
-
-    n = min(_EXP_BLOCK_ROWS, z.shape[0])
-    buffer = torch.empty((n, z.shape[1]), dtype=z.dtype, device=z.device)
-    total = torch.empty(z.shape[0], dtype=z.dtype, device=z.device)
-    for r in range(0, z.shape[0], n):
-        rows = min(n, z.shape[0] - r)
-        total[r : r + rows] = torch.exp(z[r : r + rows], out=buffer[:rows]).sum(dim=-1)
-    return total
-
-
-def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, keep_bytes, keep_dtype):
-    """Forward of `ChunkedTokenLogprobs`: the gathered log-probabilities, one position chunk at a time."""
+def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, vocab_block, keep_bytes, keep_dtype):
+    """Forward of `ChunkedTokenLogprobs`: the gathered log-probabilities, a block of logits at a time."""
     import torch
 
     acc = _accumulation_dtype(hidden.dtype)
-    keep16 = _keep_torch_dtype(keep_dtype)
-    order, unique_pos, row_of_request, tok_sorted, bounds, ends = _request_layout(positions, tokens, chunk_size)
-    lse = torch.empty(unique_pos.numel(), dtype=acc, device=hidden.device)
+    keep_as = _keep_torch_dtype(keep_dtype) or acc
+    row_bytes = weight.shape[0] * keep_as.itemsize
+    layout = _Layout(positions, tokens, chunk_size, weight.shape[0], vocab_block, keep_bytes // row_bytes)
+    rows = layout.unique_pos.numel()
+    lse = torch.empty(rows, dtype=acc, device=hidden.device)
     out_sorted = torch.empty(positions.numel(), dtype=acc, device=hidden.device)
-    kept, budget = {}, keep_bytes
-    for index, (a, b, lo, hi) in enumerate(bounds):
-        logits = _chunk_logits(hidden[unique_pos[a:b]], weight, acc)
-        rows = row_of_request[lo:hi] - a
-        picked = logits[rows, tok_sorted[lo:hi]]
-        size = logits.numel() * (logits.element_size() if keep16 is None else keep16.itemsize)
-        keep = size <= budget  # the first chunks that fit: the backward starts with them and frees them
-        # logsumexp in place (no second [chunk, V] tensor): e = exp(logits - row max), lse = max + log sum e
-        peak = logits.amax(dim=-1)
-        if keep and keep16 is not None:  # z = logits - max; keep z - log sum exp(z) in 16 bits
-            log_total = _exp_row_sums(logits.sub_(peak[:, None])).log_()
-            lse_c = peak + log_total
-            kept[index] = torch.sub(logits, log_total[:, None], out=torch.empty(logits.shape, dtype=keep16,
-                                                                              device=logits.device))
-        else:
-            total = logits.sub_(peak[:, None]).exp_().sum(dim=-1)
-            lse_c = peak + total.log()
-            if keep:
-                kept[index] = (logits, total)
-        lse[a:b] = lse_c
-        out_sorted[lo:hi] = picked - lse_c[rows]
-        budget -= size if keep else 0
-        del logits
+    kept, offsets = {}, {}
+    for c, (a, b) in enumerate(layout.chunks):
+        hidden_rows = hidden[layout.unique_pos[a:b]]
+        keep = b <= layout.kept_rows
+        peak = torch.full((b - a,), float("-inf"), dtype=acc, device=hidden.device)
+        total = torch.zeros(b - a, dtype=acc, device=hidden.device)
+        block_peaks = []
+        for j, (v0, v1) in enumerate(layout.blocks):
+            logits = _chunk_logits(hidden_rows, weight[v0:v1], acc)
+            lo, hi = layout.span(c, j)
+            out_sorted[lo:hi] = logits[layout.row[lo:hi] - a, layout.token[lo:hi] - v0]
+            block_peak = logits.amax(dim=-1)
+            if keep:  # z - m of this block, in the kept dtype
+                kept[c, j] = torch.sub(logits, block_peak[:, None], out=torch.empty(logits.shape, dtype=keep_as,
+                                                                                    device=logits.device))
+                block_peaks.append(block_peak)
+            new_peak = torch.maximum(peak, block_peak)
+            # the running sum of exp(z - peak), rescaled to the new peak; exp in place: no second block
+            total.mul_(torch.exp(peak - new_peak)).add_(logits.sub_(new_peak[:, None]).exp_().sum(dim=-1))
+            peak = new_peak
+            del logits
+        log_total = total.log_()
+        lse[a:b] = peak + log_total
+        if keep:  # m - logsumexp per row and block, as (m - peak) - log total: exact where m is the peak
+            offsets[c] = torch.stack(block_peaks, dim=1).sub_(peak[:, None]).sub_(log_total[:, None])
+    out_sorted.sub_(lse[layout.row])
     out = torch.empty_like(out_sorted)
-    out[order] = out_sorted
-    ctx.save_for_backward(hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse)
-    ctx.bounds, ctx.ends = bounds, ends
-    ctx.kept = kept
+    out[layout.order] = out_sorted
+    ctx.save_for_backward(hidden, weight, lse)
+    ctx.layout, ctx.kept, ctx.offsets = layout, kept, offsets
     return out
 
 
-def _chunk_softmax_grads(ctx, index, a, b, lo, hi, hidden, weight, unique_pos, lse, g_row, acc):
-    """Yield (d, (a, b, lo, hi)) for chunk `index`: d = -softmax * g_row of rows a..b-1, built in place,
-    from the kept chunk when the forward kept it, else from recomputed logits. A 16-bit kept chunk
-    comes back in row blocks no larger than itself. No local names a yielded d (the caller frees it)."""
-    kept = ctx.kept.pop(index, None)
+def _block_softmax(ctx, c, j, hidden_rows, weight_block, lse_rows, acc):
+    """softmax of row chunk `c` over vocabulary block `j`, built in place: from the kept z - m when
+    the forward kept it (then freed), else from recomputed logits."""
+    kept = ctx.kept.pop((c, j), None)
     if kept is None:
-        yield _chunk_logits(hidden[unique_pos[a:b]], weight, acc).sub_(lse[a:b, None]).exp_().mul_(
-            -g_row[a:b, None]), (a, b, lo, hi)
-    elif isinstance(kept, tuple):  # exp(logits - row max) and its row sums, from the forward: softmax = e / sum
-        scale = (-g_row[a:b] / kept[1])[:, None]
-        yield kept[0].mul_(scale), (a, b, lo, hi)
-    else:  # 16-bit log-probabilities
-        block = max(1, (b - a) * kept.element_size() // lse.element_size())
-        for a2, b2, lo2, hi2 in _row_blocks(ctx.ends, a, b, block):
-            yield kept[a2 - a : b2 - a].to(acc).exp_().mul_(-g_row[a2:b2, None]), (a2, b2, lo2, hi2)
+        return _chunk_logits(hidden_rows, weight_block, acc).sub_(lse_rows[:, None]).exp_()
+    kept = kept if kept.dtype == acc else kept.to(acc)
+    return kept.add_(ctx.offsets[c][:, j, None]).exp_()
 
 
 def _chunked_backward(ctx, grad_out):
-    """Backward of `ChunkedTokenLogprobs`: gradients for hidden and weight, chunk by chunk."""
+    """Backward of `ChunkedTokenLogprobs`: gradients for hidden and weight, block by block."""
     import torch
 
-    hidden, weight, order, unique_pos, row_of_request, tok_sorted, lse = ctx.saved_tensors
+    hidden, weight, lse = ctx.saved_tensors
+    layout = ctx.layout
     acc = lse.dtype
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    g_sorted = grad_out.to(acc)[order]
-    g_row = torch.zeros(unique_pos.numel(), dtype=acc, device=hidden.device)
-    g_row.index_add_(0, row_of_request, g_sorted)
-    grad_h_rows = (
-        torch.empty(unique_pos.numel(), hidden.shape[1], dtype=acc, device=hidden.device) if need_h else None
-    )
+    g_sorted = grad_out.to(acc)[layout.order]
+    g_row = torch.zeros(layout.unique_pos.numel(), dtype=acc, device=hidden.device)
+    g_row.index_add_(0, layout.row, g_sorted)
+    grad_h_rows = torch.zeros(layout.unique_pos.numel(), hidden.shape[1], dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    for index, chunk in enumerate(ctx.bounds):
-        # d logits = scatter(g) - softmax * sum(g per position), built in place.
-        for d, (a, b, lo, hi) in _chunk_softmax_grads(ctx, index, *chunk, hidden, weight, unique_pos, lse, g_row, acc):
-            rows = row_of_request[lo:hi] - a
-            d.index_put_((rows, tok_sorted[lo:hi]), g_sorted[lo:hi], accumulate=True)
+    for c, (a, b) in enumerate(layout.chunks):  # the kept chunks come first: their memory is freed first
+        hidden_rows = hidden[layout.unique_pos[a:b]]
+        for j, (v0, v1) in enumerate(layout.blocks):
+            # d logits = scatter(g) - softmax * sum(g per position), built in place.
+            d = _block_softmax(ctx, c, j, hidden_rows, weight[v0:v1], lse[a:b], acc).mul_(-g_row[a:b, None])
+            lo, hi = layout.span(c, j)
+            d.index_put_((layout.row[lo:hi] - a, layout.token[lo:hi] - v0), g_sorted[lo:hi], accumulate=True)
             d_mm = d if d.dtype == weight.dtype else d.to(weight.dtype)
             del d
             if need_h:
-                grad_h_rows[a:b] = (d_mm @ weight).to(acc)
-            if need_w:
-                h_c = hidden[unique_pos[a:b]]
                 if d_mm.dtype == acc:
-                    grad_w.addmm_(d_mm.T, h_c)  # in place: no [V, H] temporary per chunk
+                    grad_h_rows[a:b].addmm_(d_mm, weight[v0:v1])
                 else:
-                    grad_w += (d_mm.T @ h_c).to(acc)
+                    grad_h_rows[a:b] += (d_mm @ weight[v0:v1]).to(acc)
+            if need_w:
+                if d_mm.dtype == acc:
+                    grad_w[v0:v1].addmm_(d_mm.T, hidden_rows)  # in place: no [block, H] temporary
+                else:
+                    grad_w[v0:v1] += (d_mm.T @ hidden_rows).to(acc)
             del d_mm
+    ctx.kept.clear()
     grad_hidden = None
     if need_h:
         grad_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device)
-        grad_hidden.index_add_(0, unique_pos, grad_h_rows)
+        grad_hidden.index_add_(0, layout.unique_pos, grad_h_rows)
         grad_hidden = grad_hidden.to(hidden.dtype)
     if need_w:
         grad_w = grad_w.to(weight.dtype)
-    return grad_hidden, grad_w, None, None, None, None, None
+    return grad_hidden, grad_w, None, None, None, None, None, None
 
 
 def _make_chunked_function():
@@ -217,20 +221,22 @@ def chunked_token_logprobs(
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
     keep_bytes: int = DEFAULT_KEEP_BYTES,
     keep_dtype: str = DEFAULT_KEEP_DTYPE,
+    vocab_block: int | None = None,
 ) -> torch.Tensor:
     """Student log-probabilities log softmax(hidden @ weight.T)[positions[g], tokens[g]].
 
     hidden: [P, H] last hidden states (flattened batch); weight: [V, H] LM head; positions,
-    tokens: int64 [G]. Logits are formed `chunk_size` distinct positions at a time (default: about
-    2^25 logits per chunk, 256 positions at V = 128k) and recomputed in backward, so memory is
-    O(chunk_size x V) instead of O(P x V). keep_bytes: the forward keeps the softmax of its first
-    chunks while they fit in this many bytes, and the backward uses them instead of recomputing
-    (about a quarter of the chunk's time each); 0 keeps none, `keep_bytes_for(...)` sizes it from a
-    memory budget. keep_dtype: "float32" keeps exponentiated logits (float32; float64 for float64
-    inputs), exact; "float16" / "bfloat16" keeps log-probabilities in 16 bits, twice the chunks
-    per byte, each probability within a factor exp(+-u |log p|) (u = 2^-11 / 2^-8). Only positions
-    that are requested are computed. Returns [G] in float32 (float64 for float64 inputs);
-    bf16/fp16 inputs give bf16 matmuls with float32 softmax and accumulation.
+    tokens: int64 [G]. Logits are formed a block at a time, `chunk_size` distinct positions
+    (default 2,048, `auto_chunk_size`) by `vocab_block` ids (default about 2^24 logits per block,
+    `auto_vocab_block`), and formed again in backward, so memory is O(chunk_size x vocab_block)
+    instead of O(P x V). keep_bytes: the forward keeps the blocks of its first rows while they fit in
+    this many bytes (V x the kept dtype's size per row), and the backward uses them instead of
+    forming them again (a third of a block's time each); 0 keeps none, `keep_bytes_for(...)` sizes it
+    from a memory budget. keep_dtype: "float32" keeps them in the accumulation dtype (float64 for
+    float64 inputs), exact; "float16" / "bfloat16" in 16 bits, twice the rows per byte, each
+    probability within a factor exp(+-u |log p|) (u = 2^-11 / 2^-8). Only positions that are
+    requested are computed. Returns [G] in float32 (float64 for float64 inputs); bf16/fp16 inputs
+    give bf16 matmuls with float32 softmax and accumulation.
     Raises CsdError on mismatched shapes or out-of-range positions/tokens.
     """
     import torch
@@ -245,6 +251,10 @@ def chunked_token_logprobs(
         chunk_size = auto_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise CsdError(f"chunk_size must be at least 1, got {chunk_size}; set loss.chunk_size.")
+    if vocab_block is None:
+        vocab_block = auto_vocab_block(weight.shape[0], chunk_size)
+    if vocab_block < 1:
+        raise CsdError(f"vocab_block must be at least 1, got {vocab_block}; leave it unset for the default.")
     if keep_bytes < 0:
         raise CsdError(f"keep_bytes must be 0 or more, got {keep_bytes}; set the loss memory budget to 0 or more.")
     _keep_torch_dtype(keep_dtype)
@@ -258,20 +268,26 @@ def chunked_token_logprobs(
     _check_range(tokens, weight.shape[0], "token id")
     if _CHUNKED_FN is None:
         _CHUNKED_FN = _make_chunked_function()
-    return _CHUNKED_FN.apply(hidden, weight, positions, tokens, int(chunk_size), int(keep_bytes),
-                               keep_dtype)
+    return _CHUNKED_FN.apply(hidden, weight, positions, tokens, int(chunk_size), int(vocab_block), int(keep_bytes),
+                             keep_dtype)
 
 
 def auto_chunk_size(vocab_size: int) -> int:
-    """The default positions per chunk: about 2^25 logits (128 MiB in float32), at least 8."""
-    return max(8, _AUTO_CHUNK_ELEMENTS // max(1, vocab_size))
+    """The default positions per row chunk: 2,048, or about 2^24 / V when that is more (a small vocabulary)."""
+    return max(_AUTO_ROWS, _AUTO_BLOCK_ELEMENTS // max(1, vocab_size))
+
+
+def auto_vocab_block(vocab_size: int, chunk_size: int) -> int:
+    """The default ids per vocabulary block: about 2^24 logits per block (64 MiB in float32), at most V."""
+    return max(1, min(vocab_size, _AUTO_BLOCK_ELEMENTS // max(1, chunk_size)))
 
 
 def keep_bytes_for(budget_bytes: int, vocab_size: int, chunk_size: int | None = None, element_size: int = 4) -> int:
-    """`keep_bytes` from a memory budget for the loss's logits: the budget less the one chunk the loss
-    always holds (0 when the budget is smaller than a chunk)."""
-    chunk = (chunk_size or auto_chunk_size(vocab_size)) * vocab_size * element_size
-    return max(0, int(budget_bytes) - chunk)
+    """`keep_bytes` from a memory budget for the loss's logits: the budget less the one block the loss
+    always holds (0 when the budget is smaller than a block)."""
+    rows = chunk_size or auto_chunk_size(vocab_size)
+    block = rows * auto_vocab_block(vocab_size, rows) * element_size
+    return max(0, int(budget_bytes) - block)
 
 
 def dense_token_logprobs(logits: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

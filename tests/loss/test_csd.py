@@ -494,17 +494,19 @@ def _dense_reference(h, w, pos, tok):
     chunk=st.integers(1, 50),
     seed=st.integers(0, 2**31 - 1),
     keep=st.sampled_from([0, 1 << 10, 1 << 14, 1 << 30]),
+    block=st.sampled_from([None, 1, 7, 64]),
 )
-def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed, keep):
+def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed, keep, block):
     """Values and gradients (h and W) of the chunked path equal dense autograd in float64, whether the
-    backward recomputes every chunk, reuses the ones kept within `keep_bytes`, or all."""
+    backward recomputes every block, reuses the ones kept within `keep_bytes`, or all, and whether
+    the vocabulary is one block or many (down to one id per block)."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(p, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(v, 6, generator=gen, dtype=torch.float64, requires_grad=True)
     pos = torch.randint(0, p, (g,), generator=gen)
     tok = torch.randint(0, v, (g,), generator=gen)
     upstream = torch.randn(g, generator=gen, dtype=torch.float64)
-    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk, keep_bytes=keep)
+    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk, keep_bytes=keep, vocab_block=block)
     (out * upstream).sum().backward()
     h2 = h.detach().clone().requires_grad_(True)
     w2 = w.detach().clone().requires_grad_(True)
@@ -552,8 +554,10 @@ def test_chunked_forward_saves_no_positions_by_vocab_tensor():
 
 
 def test_kept_chunks_are_not_recomputed(monkeypatch):
-    """keep_bytes: the forward keeps the first chunks that fit and the backward forms logits only for
-    the others (6 chunks of 16 x 4000 float32 = 256,000 bytes each); the results do not change."""
+    """keep_bytes: the forward keeps the first rows that fit (16,000 bytes per row of 4000 float32
+    logits) and the backward forms logits only for the others (chunks of 16 rows, one vocabulary
+    block); 767,999 bytes keep 47 rows, chunks of 16, 16 and 15, then 16, 16, 16 and 1 are formed
+    twice; the results do not change."""
     import csd_pipeline.loss.token_logprobs as token_logprobs
 
     formed = []
@@ -563,7 +567,7 @@ def test_kept_chunks_are_not_recomputed(monkeypatch):
     h, w = torch.randn(96, 16, generator=gen), torch.randn(4000, 16, generator=gen)
     pos, tok = torch.arange(96).repeat(2), torch.randint(0, 4000, (192,), generator=gen)
     results = {}
-    for keep, chunks_formed in ((0, 12), (2 * 256_000, 10), (2 * 256_000 + 255_999, 10), (10**9, 6)):
+    for keep, chunks_formed in ((0, 12), (2 * 256_000, 10), (2 * 256_000 + 255_999, 11), (10**9, 6)):
         formed.clear()
         hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         out = chunked_token_logprobs(hk, wk, pos, tok, chunk_size=16, keep_bytes=keep)

@@ -36,9 +36,10 @@ def _entry_bound(logits: torch.Tensor, g_position: torch.Tensor, keep_dtype: str
     return g_position.abs()[:, None] * logp.exp() * torch.expm1(delta)
 
 
-def _chunked(h, w, pos, tok, upstream, chunk, keep_bytes, keep_dtype):
+def _chunked(h, w, pos, tok, upstream, chunk, keep_bytes, keep_dtype, vocab_block=None):
     hh, ww = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    out = chunked_token_logprobs(hh, ww, pos, tok, chunk_size=chunk, keep_bytes=keep_bytes, keep_dtype=keep_dtype)
+    out = chunked_token_logprobs(hh, ww, pos, tok, chunk_size=chunk, keep_bytes=keep_bytes, keep_dtype=keep_dtype,
+                                 vocab_block=vocab_block)
     (out * upstream).sum().backward()
     return out.detach(), hh.grad, ww.grad
 
@@ -63,15 +64,16 @@ def _g_position(pos, upstream, p):
     scale=st.sampled_from([0.3, 3.0, 30.0]),
     keep_dtype=st.sampled_from(["float16", "bfloat16"]),
     seed=st.integers(0, 2**31 - 1),
+    block=st.sampled_from([None, 1, 9]),
 )
-def test_16bit_kept_gradients_within_the_representation_bound(p, v, g, chunk, scale, keep_dtype, seed):
+def test_16bit_kept_gradients_within_the_representation_bound(p, v, g, chunk, scale, keep_dtype, seed, block):
     """float64 inputs: values equal dense autograd; gradients of h and W within E |W| and E^T |h|."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(p, 6, generator=gen, dtype=torch.float64) * scale
     w = torch.randn(v, 6, generator=gen, dtype=torch.float64)
     pos, tok = torch.randint(0, p, (g,), generator=gen), torch.randint(0, v, (g,), generator=gen)
     upstream = torch.randn(g, generator=gen, dtype=torch.float64)
-    out, grad_h, grad_w = _chunked(h, w, pos, tok, upstream, chunk, ALL, keep_dtype)
+    out, grad_h, grad_w = _chunked(h, w, pos, tok, upstream, chunk, ALL, keep_dtype, block)
     ref, ref_h, ref_w = _dense(h, w, pos, tok, upstream)
     bound = _entry_bound(h @ w.T, _g_position(pos, upstream, p), keep_dtype)
     assert torch.allclose(out, ref, atol=1e-12, rtol=0)
@@ -136,9 +138,11 @@ def test_16bit_kept_csd_loss_against_the_float64_reference(case_of, keep_dtype):
     assert float((w.grad - d.T @ h0).abs().max()) > 0
 
 
-def test_float32_kept_path_unchanged():
-    """keep_dtype float32 (the default) is the arithmetic it always was, bit for bit: one chunk, kept
-    or recomputed, against that arithmetic written out here."""
+def test_float32_kept_path_arithmetic():
+    """keep_dtype float32 (the default) is the arithmetic of the module docstring, bit for bit: one row
+    chunk, one vocabulary block, kept (z - m, then exp((z - m) + (m - max) - log sum exp(z - max))) or formed
+    again,
+    against that arithmetic written out here."""
     gen = torch.Generator().manual_seed(2)
     h, w = torch.randn(40, 16, generator=gen), torch.randn(900, 16, generator=gen)
     pos = torch.arange(40).repeat(2)
@@ -148,20 +152,20 @@ def test_float32_kept_path_unchanged():
     logits = h @ w.T
     picked = logits[pos[order], tok[order]]
     peak = logits.amax(dim=-1)
-    e = logits.sub(peak[:, None]).exp()
-    total = e.sum(dim=-1)
-    lse = peak + total.log()
+    log_total = logits.sub(peak[:, None]).exp().sum(dim=-1).log()
+    lse = peak + log_total
     want_out = torch.empty(80)
     want_out[order] = picked - lse[pos[order]]
     g_row = torch.zeros(40).index_add_(0, pos[order], upstream[order])
     for keep_bytes in (0, ALL):
         if keep_bytes:
-            d = e * (-g_row / total)[:, None]
+            p = (logits - peak[:, None]).add_(-log_total[:, None]).exp_()
         else:
-            d = (h @ w.T).sub_(lse[:, None]).exp_().mul_(-g_row[:, None])
+            p = (h @ w.T).sub_(lse[:, None]).exp_()
+        d = p.mul_(-g_row[:, None])
         d.index_put_((pos[order], tok[order]), upstream[order], accumulate=True)
         want_w = torch.zeros(900, 16).addmm_(d.T, h)
-        want_h = torch.zeros(40, 16).index_add_(0, torch.arange(40), d @ w)
+        want_h = torch.zeros(40, 16).index_add_(0, torch.arange(40), torch.zeros(40, 16).addmm_(d, w))
         for kwargs in ({}, {"keep_dtype": "float32"}):
             hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
             out = chunked_token_logprobs(hh, ww, pos, tok, chunk_size=40, keep_bytes=keep_bytes, **kwargs)
