@@ -227,8 +227,8 @@ def chunked_token_logprobs(
 
     hidden: [P, H] last hidden states (flattened batch); weight: [V, H] LM head; positions,
     tokens: int64 [G]. Logits are formed a block at a time, `chunk_size` distinct positions
-    (default 2,048, `auto_chunk_size`) by `vocab_block` ids (default about 2^24 logits per block,
-    `auto_vocab_block`), and formed again in backward, so memory is O(chunk_size x vocab_block)
+    (default 2,048, `auto_chunk_size`) by `vocab_block` ids (default about 2^24 logits per block of
+    min(chunk_size, P) rows, `auto_vocab_block`), and formed again in backward, so memory is O(chunk_size x vocab_block)
     instead of O(P x V). keep_bytes: the forward keeps the blocks of its first rows while they fit in
     this many bytes (V x the kept dtype's size per row), and the backward uses them instead of
     forming them again (a third of a block's time each); 0 keeps none, `keep_bytes_for(...)` sizes it
@@ -251,8 +251,8 @@ def chunked_token_logprobs(
         chunk_size = auto_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise CsdError(f"chunk_size must be at least 1, got {chunk_size}; set loss.chunk_size.")
-    if vocab_block is None:
-        vocab_block = auto_vocab_block(weight.shape[0], chunk_size)
+    if vocab_block is None:  # sized for the rows a chunk really has: a small batch gets wider blocks
+        vocab_block = auto_vocab_block(weight.shape[0], min(chunk_size, hidden.shape[0]))
     if vocab_block < 1:
         raise CsdError(f"vocab_block must be at least 1, got {vocab_block}; leave it unset for the default.")
     if keep_bytes < 0:
