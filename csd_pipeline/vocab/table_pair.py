@@ -18,34 +18,29 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from csd_pipeline.vocab.chain_encoder import ChainEncoderProcess, multi_token_chains
+from csd_pipeline.vocab.chain_encoder import ChainEncoderProcess
 from csd_pipeline.vocab.tables import SubtokenTable, count_chains, load_table, spelling_texts, validate_tables
 
 STUDENT_TO_TEACHER = "student_to_teacher.safetensors"
 TEACHER_TO_STUDENT = "teacher_to_student.safetensors"
 
 
-def build_table_pair(student, teacher, *, chains=None) -> tuple[SubtokenTable, SubtokenTable]:
+def build_table_pair(student, teacher, chains) -> tuple[SubtokenTable, SubtokenTable]:
     """(student -> teacher, teacher -> student) tables of two loaded `TokenizerBundle`s, each equal to
     `tables.build_table` of that direction (a progress bar on a terminal). `chains`: the two
-    `ChainEncoderProcess`es (student's spellings with the teacher's tokenizer, then the reverse),
-    begun already; without them both directions are encoded here."""
+    `ChainEncoderProcess`es, begun already: the teacher's tokenizer (for the student's spellings),
+    then the student's (for the teacher's)."""
     from csd_pipeline.runtime import progress
     from csd_pipeline.vocab.prefix_entries import prefix_entries
 
     spellings = {"s2t": spelling_texts(student.vocab), "t2s": spelling_texts(teacher.vocab)}
-    if chains is not None:
-        for encoder, key in zip(chains, spellings):
-            encoder.send(spellings[key][1])
-    sizes = len(spellings["s2t"][0]), len(spellings["t2s"][0])
-    with progress.bar(sum(sizes) * (1 if chains else 2), "tables build-both", "spelling", unit_scale=True) as shown:
+    for encoder, key in zip(chains, spellings):
+        encoder.send(spellings[key][1])
+    with progress.bar(sum(map(len, (student.vocab.spellings(), teacher.vocab.spellings()))), "tables build-both",
+                      "spelling", unit_scale=True) as shown:
         entries = {"s2t": prefix_entries(student.vocab, teacher.vocab, shown.update),
                    "t2s": prefix_entries(teacher.vocab, student.vocab, shown.update)}
-        if chains is None:
-            multi = {"s2t": multi_token_chains(teacher.tokenizer, spellings["s2t"][1], shown.update),
-                     "t2s": multi_token_chains(student.tokenizer, spellings["t2s"][1], shown.update)}
-        else:
-            multi = {"s2t": chains[0].result(), "t2s": chains[1].result()}
+    multi = {"s2t": chains[0].result(), "t2s": chains[1].result()}
     tables = []
     for key, source, destination in (("s2t", student, teacher), ("t2s", teacher, student)):
         a, b, n = entries[key]
@@ -69,7 +64,7 @@ def build_and_validate_pair(student_arg: str, teacher_arg: str, output_dir: str 
             ChainEncoderProcess(opened[student_arg].file, student_arg) as to_student:
         student = load_tokenizer(student_arg, trust_remote_code=trust_remote_code, opened=opened[student_arg])
         teacher = load_tokenizer(teacher_arg, trust_remote_code=trust_remote_code, opened=opened[teacher_arg])
-        s2t, t2s = build_table_pair(student, teacher, chains=(to_teacher, to_student))
+        s2t, t2s = build_table_pair(student, teacher, (to_teacher, to_student))
     paths = {"student_to_teacher": Path(output_dir) / STUDENT_TO_TEACHER,
              "teacher_to_student": Path(output_dir) / TEACHER_TO_STUDENT}
     s2t.save(paths["student_to_teacher"])
