@@ -71,6 +71,8 @@ ARMS = {
     "csd kl b1 top128": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
     "csd_1to1 kl top128 t1.5": ["--loss", "csd_1to1", "--divergence", "kl", "--teacher-temperature", "1.5"],
     "csd kl b1 top128 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 top96 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5",
+                             "teacher_top_k=96"],
     # the control: the best arm's teacher rows given to other positions of the batch
     "csd kl b1 top128 t1.5 shuffled": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
                                        "1.5", "--teacher-control", "shuffled"],
@@ -91,6 +93,8 @@ ARMS = {
     "csd kl b1 p0.99 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
     "csd kl b1 p0.90 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
     "csd kl b1 p0.99k64 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 p0.99k64 t1.25": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.25"],
+    "csd kl b1 p0.99k64 t2": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "2"],
 }
 BEST_CSD = "csd kl b1 top128 t1.5"
 CONTROL = BEST_CSD + " shuffled"
@@ -105,7 +109,9 @@ COMPARISON_SEEDS = (1, 2)  # after seed 0: for CE, the CSD arms, the control and
 # The arms that read a mass-adaptive store (`teacher-logits --top-p`) instead of the top-128, and its flags.
 TOP_P_STORES = {"csd kl b1 p0.99 t1.5": ["--top-k", "128", "--top-p", "0.99"],
                 "csd kl b1 p0.90 t1.5": ["--top-k", "128", "--top-p", "0.90"],
-                "csd kl b1 p0.99k64 t1.5": ["--top-k", "64", "--top-p", "0.99"]}
+                "csd kl b1 p0.99k64 t1.5": ["--top-k", "64", "--top-p", "0.99"],
+                "csd kl b1 p0.99k64 t1.25": ["--top-k", "64", "--top-p", "0.99"],
+                "csd kl b1 p0.99k64 t2": ["--top-k", "64", "--top-p", "0.99"]}
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
                 "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
@@ -311,7 +317,7 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
     for regime in regimes:
         steps = 20 if quick else REGIMES[regime]["steps"]
         print(f"[comparison] {regime}: aligning and computing teacher top-k ...", flush=True)
-        dirs = prepare(regime, out, log)
+        dirs = prepare(regime, out, log, arms or COMPARISON_ARMS[regime])
         teachers[regime] = teacher_score(dirs, log)
         rows: list[dict] = []
         plan = [(arm, s) for s in (seeds or [0]) for arm in (arms or COMPARISON_ARMS[regime])]
