@@ -75,7 +75,8 @@ class _Layout:
         starts = torch.tensor([a for a, _ in self.chunks], dtype=torch.int64, device=device)
         key = (torch.searchsorted(starts, row, right=True) - 1) * len(self.blocks) + tokens[by_position] // vocab_block
         regroup = torch.argsort(key, stable=True)
-        self.order, self.row, self.token = by_position[regroup], row[regroup], tokens[by_position][regroup]
+        self.order, self.row = by_position[regroup], row[regroup]
+        self.token = tokens[self.order]
         ends = torch.cumsum(torch.bincount(key, minlength=len(self.chunks) * len(self.blocks)), 0)
         self._ends = [0] + ends.cpu().tolist()  # one host sync per call, not one per block
 
