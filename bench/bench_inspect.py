@@ -4,7 +4,8 @@ the same columns with pyarrow alone and counting them with numpy (issue 20 §2).
 Output: the data-rich benchmark corpus (`bench/corpus/rich-train.jsonl`, 0.6 MB) aligned once
 (llama-spm student, smollm2 teacher, windows of 256 tokens, shards of 0.25 MiB, 0.8 MB of Parquet),
 then grown to the wanted size by a copied manifest that lists those shards again and again under new
-names (symbolic links): the readers see GB of distinct shards while the disk holds one copy, so the
+names (hard links: a symbolic link leading outside the output is refused by the readers' path checks,
+docs/RELIABILITY.md): the readers see GB of distinct shards while the disk holds one copy, so the
 files are read from the page cache on both sides (the time is decoding and counting, not the disk).
 Both readers compute the same tables (rows, documents, text bytes, tokens, chunk statuses and shapes,
 window lengths, per source) and must agree exactly. Each is timed twice, alternating; the best counts.
@@ -43,14 +44,15 @@ def _align(out: Path) -> Path:
 
 
 def replicate(aligned: Path, out: Path, gb: float) -> dict:
-    """A copy of `aligned`'s manifest in `out` listing its shards until they sum to `gb` GiB (links, new names)."""
+    """A copy of `aligned`'s manifest in `out` listing its shards until they sum to `gb` GiB (hard links, new
+    names; `out` must be on the file system of `aligned`)."""
     manifest = json.loads((aligned / "manifest.json").read_text())
     shards, total, index = [], 0, 0
     out.mkdir(parents=True, exist_ok=True)
     while total < gb * (1 << 30):
         for shard in manifest["shards"]:
             name = f"part-00000-{index:05d}"
-            os.symlink(aligned / shard["file"], out / f"{name}.parquet")
+            os.link(aligned / shard["file"], out / f"{name}.parquet")
             shards.append(dict(shard, name=name, file=f"{name}.parquet"))
             total += shard["bytes"]
             index += 1
