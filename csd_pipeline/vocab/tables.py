@@ -206,16 +206,6 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
 # ---------------------------------------------------------------------- building
 
 
-def canonical_chain_counts(source: TokenizerBundle, destination: TokenizerBundle, advance=None) -> dict:
-    """Encode every source spelling with the destination tokenizer (the original builder's chains).
-
-    Returns how many chains there are, how many have 2+ tokens (each gives one (p, a, b) entry),
-    and how many of those entries are byte-exact prefix-support entries. `advance(n)`, when given,
-    is told of every slice of spellings encoded (a progress bar).
-    """
-    return count_chains(destination, encode_spellings(source, destination, advance))
-
-
 def encode_spellings(source: TokenizerBundle, destination: TokenizerBundle, advance=None) -> tuple[list[bytes], list]:
     """(every source spelling, [(its index, destination ids) for each spelling encoded with 2+ tokens]).
 
@@ -235,7 +225,9 @@ def spelling_texts(vocab: Vocabulary) -> tuple[list[bytes], list[str]]:
 
 
 def count_chains(destination: TokenizerBundle, encoded: tuple[list[bytes], list]) -> dict:
-    """The counts of `canonical_chain_counts` from `encode_spellings`' result."""
+    """The original builder's canonical chains, counted from `encode_spellings`' result (every source
+    spelling encoded with the destination tokenizer): how many chains there are, how many have 2+
+    tokens (each gives one (p, a, b) entry) and how many of those are byte-exact prefix-support entries."""
     texts_bytes, multi = encoded
     dst_spellings = destination.vocab.spellings()
     dst_bytes = destination.vocab.token_bytes
