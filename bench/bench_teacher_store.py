@@ -7,18 +7,22 @@ Parquet file) from those same values:
 
 - `top-128`, `top-64`, `top-32`: a fixed top-k (`--top-k 128`, ...);
 - `p0.99`, `p0.95`, `p0.90`: the mass-adaptive top-k (`--top-p P --top-k 128`): per position the most
-  likely entries until their probabilities reach P, at most 128; `p0.99k64`: `--top-p 0.99 --top-k 64`.
+  likely entries until their probabilities reach P, at most 128; `p0.99k64`: `--top-p 0.99 --top-k 64`;
+- `events128`, `events72`: `--top-k 128` / `72 --keep csd-events`, only the entries the CSD loss turns
+  into events (these depend on the student: `--student NAME`, default gpt-2; the quality benchmark's
+  student is llama-spm).
 
 Reported per kind and over all kinds: shard-file bytes per position, entries per position (mean,
 share of positions with 1 entry and with 128), the teacher mass the stored entries hold, and how
 often the observed next token is among them. `pooled_block` encodes every kind's positions as one
 block (what a large shard's 64k-position blocks see: LZMA warmed up) for the scale sheet. A real
-`TeacherRunner(top_p=0.99)` run on the first kind must write the same bytes as its `p0.99` file.
+`TeacherRunner(top_p=0.99)` run on the first kind must write the same bytes as its `p0.99` file, and a
+real top-128 run with the stage's event selection the same bytes as its `events128` file.
 
 `--teacher gemma3-270m` runs the Gemma 3 270M teacher (262,144 ids; aligned for its own tokenizer)
 instead; `--chars N` keeps the first N characters of each kind (default 16,000; 2,000 in quick mode).
 
-    python bench/bench_teacher_store.py [--quick] [--teacher NAME] [--chars N] [--json FILE]
+    python bench/bench_teacher_store.py [--quick] [--teacher NAME] [--student NAME] [--chars N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ if str(ROOT) not in sys.path:
 TEACHER = "smollm2-135m-instruct"
 TEACHER_TOKENIZERS = {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3"}  # model fixture -> its tokenizer
 STORED_K = 128
-SETTINGS = {"top-128": (128, None), "top-64": (64, None), "top-32": (32, None), "p0.99": (128, 0.99),
-            "p0.95": (128, 0.95), "p0.90": (128, 0.90), "p0.99k64": (64, 0.99)}
+# name -> (--top-k, --top-p, --keep)
+SETTINGS = {"top-128": (128, None, "top-k"), "top-64": (64, None, "top-k"), "top-32": (32, None, "top-k"),
+            "p0.99": (128, 0.99, "top-k"), "p0.95": (128, 0.95, "top-k"), "p0.90": (128, 0.90, "top-k"),
+            "p0.99k64": (64, 0.99, "top-k"), "events128": (128, None, "csd-events"),
+            "events72": (72, None, "csd-events")}
 
 
 class _Replay:
@@ -59,16 +66,20 @@ class _Replay:
         return out
 
 
-def _coverage(results, top_k: int, top_p: float | None, rows) -> dict:
-    """Entries per position, the stored teacher mass and the observed token among the stored entries."""
+def _stored(replay: _Replay, rows, select) -> list:
+    """What `write_teacher_shard` stores of `rows` for one setting: the replayed rows, `select`ed."""
+    results = replay.run(rows)
+    return results if select is None else [select(i, r) for i, r in enumerate(results)]
+
+
+def _coverage(stored, top_k: int, rows) -> dict:
+    """Entries per position, the stored teacher mass and the observed token among the stored entries
+    (`stored`: what `_stored` gives for one setting)."""
     import numpy as np
 
-    from csd_pipeline.teacher.runner import mass_lengths
-
     counts, mass, hits, observed = [], [], 0, 0
-    for result, row in zip(results, rows):
-        logprobs, ids = result.logprobs[:, :top_k], result.ids[:, :top_k]
-        n = np.full(len(row), top_k) if top_p is None else mass_lengths(logprobs, top_p)
+    for result, row in zip(stored, rows):
+        logprobs, ids, n = result.logprobs, result.ids, result.lengths
         kept = np.arange(top_k)[None, :] < n[:, None]
         counts.append(n)
         mass.append(np.where(kept, np.exp(logprobs.astype(np.float64)), 0.0).sum(axis=1))
@@ -80,18 +91,18 @@ def _coverage(results, top_k: int, top_p: float | None, rows) -> dict:
             "stored_mass_mean": float(mass.mean()), "observed_stored_share": hits / observed}
 
 
-def _pooled_block(all_results, all_rows, top_k: int, top_p: float | None) -> float:
-    """Payload bytes per position when every kind's positions form one block."""
+def _pooled_block(stored, all_rows, top_k: int) -> float:
+    """Payload bytes per position when every kind's positions (`stored`, one setting's) form one block."""
     from csd_pipeline.teacher.shard_writer import encode_rows
 
-    runner = _Replay({id(r): res for r, res in zip(all_rows, all_results)}, None, top_k, top_p)
-    payload, stats = encode_rows(runner.run(all_rows), all_rows, top_k)
+    payload, stats = encode_rows(stored, all_rows, top_k)
     return len(payload) / stats["positions"]
 
 
-def _align(tmp: Path, quick: bool, teacher_tokenizer: str, chars: int | None) -> tuple[Path, list[str]]:
-    """The kinds of text aligned as `bench_teacher` aligns them (gpt-2 student, 1024-token windows, one
-    shard per kind), for `teacher_tokenizer`, each kind cut to `chars` characters when given."""
+def _align(tmp: Path, quick: bool, teacher_tokenizer: str, chars: int | None, student: str = "gpt-2"
+           ) -> tuple[Path, list[str]]:
+    """The kinds of text aligned as `bench_teacher` aligns them (gpt-2 student unless `student`, 1024-token
+    windows, one shard per kind), for `teacher_tokenizer`, each kind cut to `chars` characters when given."""
     from bench.bench_teacher import WINDOW, _sources
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.stage import run_align
@@ -104,22 +115,25 @@ def _align(tmp: Path, quick: bool, teacher_tokenizer: str, chars: int | None) ->
         path.write_text(body if chars is None else body[:chars], encoding="utf-8")
         files.append(str(path))
     out = tmp / "aligned"
-    run_align(AlignConfig(corpus=files, student_tokenizer="gpt-2", teacher_tokenizers=[teacher_tokenizer], output=str(out),
+    run_align(AlignConfig(corpus=files, student_tokenizer=student, teacher_tokenizers=[teacher_tokenizer], output=str(out),
                           max_student_tokens=WINDOW, max_teacher_tokens=[WINDOW], shard_bytes=1), rank=0, world_size=1)
     return out, files
 
 
-def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None) -> dict:
+def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, student: str = "gpt-2") -> dict:
     """Bytes per position per kind and setting; returns {"name", "metrics", "checks"}."""
     import torch
 
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.errors import CsdError
     from csd_pipeline.fixtures.names import model_path, tokenizer_path
+    from csd_pipeline.loss.event_context import EventContext
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.config import TeacherLogitsConfig
+    from csd_pipeline.teacher.event_entries import event_selector
     from csd_pipeline.teacher.runner import TeacherRunner
     from csd_pipeline.teacher.shard_writer import write_teacher_shard
+    from csd_pipeline.vocab.tables import load_table
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     if teacher not in TEACHER_TOKENIZERS:
@@ -129,49 +143,58 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None) -
     metrics: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-teacher-store-") as tmp_name:
         tmp = Path(tmp_name)
-        aligned_dir, files = _align(tmp, quick, TEACHER_TOKENIZERS[teacher], chars)
+        aligned_dir, files = _align(tmp, quick, TEACHER_TOKENIZERS[teacher], chars, student)
         kinds = [Path(name).stem.split("-", 1)[1] for name in files]
         aligned = AlignedOutput.open(aligned_dir)
+        context = EventContext(*(load_table(path) for path in aligned.tables(0)))
         loaded = load_causal_lm(str(model_path(teacher)), device="cpu")
         runner = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192)
         totals = {name: [0, 0] for name in SETTINGS}
-        all_rows, all_results, coverage_rows = [], [], {name: [] for name in SETTINGS}
+        all_rows, coverage_rows = [], {name: [] for name in SETTINGS}
+        all_stored: dict = {name: [] for name in SETTINGS}
         began = time.perf_counter()
         for index, (kind, shard) in enumerate(zip(kinds, aligned.shards)):
             row_ids, rows = aligned.teacher_rows(shard, 0)
+            select = event_selector(aligned.read(shard, aligned.training_columns([0])).to_pylist(), 0, context)
             results = runner.run(rows)
             all_rows += rows
-            all_results += results
-            for name, (top_k, top_p) in SETTINGS.items():
+            for name, (top_k, top_p, keep) in SETTINGS.items():
                 target = tmp / f"{name}-{index}.parquet"
                 replay = _Replay({id(r): res for r, res in zip(rows, results)}, runner.device, top_k, top_p)
-                stats = write_teacher_shard(replay, row_ids, rows, target, block).stats
+                chosen = select if keep == "csd-events" else None
+                stats = write_teacher_shard(replay, row_ids, rows, target, block, chosen).stats
                 size = target.stat().st_size
                 totals[name][0] += size
                 totals[name][1] += stats["positions"]
                 metrics[f"{kind}/{name}/bytes_per_position"] = round(size / stats["positions"], 2)
-                coverage = _coverage(results, top_k, top_p, rows)
+                stored = _stored(replay, rows, chosen)
+                all_stored[name] += stored
+                coverage = _coverage(stored, top_k, rows)
                 coverage_rows[name].append((stats["positions"], coverage))
                 metrics[f"{kind}/{name}/entries_mean"] = round(coverage["entries_mean"], 2)
             metrics[f"{kind}/positions"] = sum(len(r) for r in rows)
-            if index == 0:  # the real runner with --top-p writes what the replay wrote
+            if index == 0:  # the real runner (with --top-p; with the event selection) writes what the replay wrote
                 real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192, top_p=0.99)
                 write_teacher_shard(real, row_ids, rows, tmp / "real-p0.99.parquet", block)
                 same = (tmp / "real-p0.99.parquet").read_bytes() == (tmp / "p0.99-0.parquet").read_bytes()
+                write_teacher_shard(runner, row_ids, rows, tmp / "real-events128.parquet", block, select)
+                same_events = (tmp / "real-events128.parquet").read_bytes() == (tmp / "events128-0.parquet").read_bytes()
         seconds = time.perf_counter() - began
-        for name, (top_k, top_p) in SETTINGS.items():
+        for name, (top_k, _, _) in SETTINGS.items():
             size, positions = totals[name]
             metrics[f"all/{name}/bytes_per_position"] = round(size / positions, 2)
             metrics[f"all/{name}/pooled_block_payload_bytes_per_position"] = round(
-                _pooled_block(all_results, all_rows, top_k, top_p), 2)
+                _pooled_block(all_stored[name], all_rows, top_k), 2)
             for key in ("entries_mean", "one_entry_share", "at_cap_share", "stored_mass_mean", "observed_stored_share"):
                 weighted = sum(n * c[key] for n, c in coverage_rows[name]) / positions
                 metrics[f"all/{name}/{key}"] = round(weighted, 4)
         metrics["teacher"] = teacher
+        metrics["student"] = student
         metrics["positions"] = totals["top-128"][1]
         metrics["teacher_and_encode_seconds"] = round(seconds, 1)
         metrics["torch_threads"] = torch.get_num_threads()
-    checks = {"real_top_p_run_writes_the_replayed_bytes": {"value": same, "ok": same}}
+    checks = {"real_top_p_run_writes_the_replayed_bytes": {"value": same, "ok": same},
+              "real_event_selection_writes_the_replayed_bytes": {"value": same_events, "ok": same_events}}
     return {"name": "teacher_store", "metrics": metrics, "checks": checks}
 
 
@@ -180,7 +203,8 @@ if __name__ == "__main__":
         return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv else default
 
     chars = _option("--chars", None)
-    result = run(quick="--quick" in sys.argv, teacher=_option("--teacher", TEACHER), chars=None if chars is None else int(chars))
+    result = run(quick="--quick" in sys.argv, teacher=_option("--teacher", TEACHER),
+                 chars=None if chars is None else int(chars), student=_option("--student", "gpt-2"))
     text = json.dumps(result, indent=2, sort_keys=True)
     if "--json" in sys.argv:
         target = Path(sys.argv[sys.argv.index("--json") + 1])

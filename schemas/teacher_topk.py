@@ -30,6 +30,14 @@ Which entries a position stores: with a fixed top-k (no `--top-p`), the k most l
 log-probs, summed in float64) reach P, and at most k (so n = k where the top-k holds less than P).
 The most likely entry is always stored (n >= 1).
 
+With `--keep csd-events` (manifest `config.keep`, schema metadata `csd.keep` = "csd-events"; the
+layout is the same), a position stores only those of these entries that the CSD loss turns into
+events with the aligned directory's tables: at the final teacher position of an accepted chunk, the
+candidates that fall into a student spelling class under the chunk's shape plus the observed
+token; elsewhere only the most likely entry (n >= 1 still holds). Entries stay most likely first.
+The CSD events built from such a store equal those built from the whole top-k
+(`csd_pipeline/teacher/event_entries.py`); the baseline losses cannot read it.
+
 Encoding `csd-topk-lzma-v2` (schema version 2) of a block payload (see `csd_pipeline/teacher/codec.py`):
 
     header (little-endian): magic "CTK2", uint32 P, uint32 k, uint32 id_width (2 or 3),
@@ -83,12 +91,13 @@ class RowStatus(IntEnum):
     infinite; the row is rejected (counted as `rejected.non_finite` in the stats) and holds no values."""
 
 
-def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None):
+def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep: str = "top-k"):
     """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
     The schema metadata records the schema name and version, k, the encoding name, the `--top-p`
-    mass bound (`top_p`, None for a fixed top-k) and that the pages carry checksums
-    (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
+    mass bound (`top_p`, None for a fixed top-k), `csd.keep` = "csd-events" for a store of only the
+    entries CSD reads (`--keep csd-events`; absent for a whole top-k) and that the pages carry
+    checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
 
@@ -107,6 +116,7 @@ def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None):
         b"csd.k": str(k).encode(),
         b"csd.encoding": encoding.encode(),
         b"csd.top_p": b"" if top_p is None else repr(float(top_p)).encode(),
+        **({} if keep == "top-k" else {b"csd.keep": keep.encode()}),
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)

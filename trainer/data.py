@@ -123,6 +123,7 @@ def _open_teachers(config, aligned: AlignedOutput) -> list[TeacherSource]:
                            f"(given: {sorted(by_index)}); add its directory or drop it from --kd-teachers")
         if weight > 0:
             _check_top_k(config.loss.teacher_top_k, by_index[index])
+            _check_keep(config.loss, by_index[index])
             teachers.append(TeacherSource(index, by_index[index], weight))
     return teachers
 
@@ -133,6 +134,14 @@ def _check_top_k(wanted: int, output: TeacherTopkOutput) -> None:
     if wanted and stored is not None and wanted > int(stored):
         raise CsdError(f"--teacher-top-k {wanted} is more than the {stored} entries per position stored in "
                        f"{output.directory}; pass at most {stored} (0: all), or re-run `{TEACHER_RERUN}` with --top-k {wanted}")
+
+
+def _check_keep(loss, output: TeacherTopkOutput) -> None:
+    """The baselines compare whole next-token rows: they cannot read a store of only the CSD events."""
+    if loss.is_baseline and output.keep == "csd-events":
+        raise CsdError(f"--loss {loss.loss} compares the teacher's whole top-k, but {output.directory} keeps only the "
+                       f"entries CSD turns into events (teacher-logits --keep csd-events); use a --loss csd* arm, or "
+                       f"re-run `{TEACHER_RERUN}` with --keep top-k for this baseline")
 
 
 def _check_state(state: dict | None) -> dict:

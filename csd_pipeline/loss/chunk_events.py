@@ -75,17 +75,6 @@ class EventBuilder:
             self.final_tok.extend(int(i) for i in student_ids)
             self.final_event.extend([e] * n)
 
-    def _student_class_for(self, shape: int, teacher_spelling: bytes, s_prefix: bytes, t_prefix: bytes):
-        """Student final spelling paired with a teacher final spelling, or None (not an event)."""
-        if shape == SHAPE_1_1:
-            return teacher_spelling
-        if shape == SHAPE_1_N:
-            return t_prefix + teacher_spelling
-        # M:1: the teacher's token spells the student prefix + one student token.
-        if len(teacher_spelling) > len(s_prefix) and teacher_spelling.startswith(s_prefix):
-            return teacher_spelling[len(s_prefix) :]
-        return None
-
     def _observed_error(self, chunk_index: int) -> CsdError:
         return CsdError(
             f"{self.where}: the observed pair of a chunk (KD chunk {chunk_index}) is not an event of the tables; "
@@ -115,15 +104,10 @@ class EventBuilder:
         found_obs = False
         for y, lps in groups.items():
             is_obs = y == obs_spelling
-            if shape == SHAPE_M_N:
-                x = ctx.student_bytes[u_obs]
-            else:
-                x = self._student_class_for(shape, y, s_prefix, t_prefix)
-                if x is None:
-                    continue
-            s_ids = ctx.student_classes.get(x)
-            if s_ids is None:
+            x = ctx.event_class(shape, y, obs_spelling, s_prefix, t_prefix, u_obs)
+            if x is None:
                 continue
+            s_ids = ctx.student_classes[x]
             if self.exclude and (len(s_ids) > 1 or len(ctx.teacher_classes[y]) > 1):
                 if not is_obs:
                     continue

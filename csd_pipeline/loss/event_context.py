@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_N
 
 
 class EventContext:
@@ -55,6 +56,7 @@ class EventContext:
             for i in ids:
                 self.teacher_spelling[i] = spelling
         self._common_dense = None
+        self._teacher_common = None
         self._prefix_cache: dict[tuple[str, bytes], list] = {}
         self._student_special = s2t.source.is_special & ~s2t.source.untrusted
         self._teacher_special = s2t.destination.is_special & ~s2t.destination.untrusted
@@ -62,6 +64,37 @@ class EventContext:
     def is_special_pair(self, u: int, v: int) -> bool:
         """Whether (student u, teacher v) are both special tokens (no bytes): chat mode's end-of-turn pair."""
         return bool(self._student_special[u] and self._teacher_special[v])
+
+    def event_class(self, shape: int, teacher_spelling: bytes | None, observed_spelling: bytes, s_prefix: bytes,
+                    t_prefix: bytes, u_obs: int) -> bytes | None:
+        """The student spelling class that a teacher candidate spelled `teacher_spelling` turns into at a chunk's
+        final teacher position, or None when it is no event (its mass goes to REST).
+
+        1:1: the same spelling; 1:N: the observed teacher prefix + it; M:1: it minus the observed student
+        prefix; M:N: only the observed spelling (the observed student token's class). The class must exist
+        in the student vocabulary. The one rule for the loss (`loss.chunk_events`) and for the store that
+        keeps only these entries (`teacher.event_entries`).
+        """
+        if teacher_spelling is None:
+            return None
+        if shape == SHAPE_M_N:
+            x = self.student_bytes[u_obs] if teacher_spelling == observed_spelling else None
+        elif shape == SHAPE_1_1:
+            x = teacher_spelling
+        elif shape == SHAPE_1_N:
+            x = t_prefix + teacher_spelling
+        elif len(teacher_spelling) > len(s_prefix) and teacher_spelling.startswith(s_prefix):  # M:1
+            x = teacher_spelling[len(s_prefix):]
+        else:
+            x = None
+        return x if x is not None and x in self.student_classes else None
+
+    def teacher_common(self) -> np.ndarray:
+        """bool [Vt]: whether each teacher id's spelling is also a student spelling (a 1:1 chunk's events)."""
+        if self._teacher_common is None:
+            self._teacher_common = np.asarray(
+                [y is not None and y in self.student_classes for y in self.teacher_spelling], dtype=bool)
+        return self._teacher_common
 
     def common_dense(self):
         """Common spellings of the student->teacher table as flat arrays (dense teachers only)."""

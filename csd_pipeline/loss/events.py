@@ -27,6 +27,14 @@ if TYPE_CHECKING:  # pragma: no cover
 # numpy is imported where it is used, so that `csd-train --help` (which reads SPELLING_MODES) stays instant.
 
 SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N = 0, 1, 2, 3
+
+
+def chunk_shape(student_tokens: int, teacher_tokens: int) -> int:
+    """The shape code of a chunk of M student and N teacher tokens (both >= 1)."""
+    if student_tokens == 1:
+        return SHAPE_1_1 if teacher_tokens == 1 else SHAPE_1_N
+    return SHAPE_M_1 if teacher_tokens == 1 else SHAPE_M_N
+
 # How token ids that share a spelling enter the events: summed into one event, or sent to REST.
 SPELLING_MODES = ("sum", "exclude")
 DEFAULT_SPELLING = "sum"

@@ -19,11 +19,9 @@ from csd_pipeline.loss.event_context import EventContext
 from csd_pipeline.loss.events import (
     DEFAULT_SPELLING,
     SHAPE_1_1,
-    SHAPE_1_N,
-    SHAPE_M_1,
-    SHAPE_M_N,
     SPELLING_MODES,
     BatchEvents,
+    chunk_shape,
     empty_events,
 )
 from schemas.aligned import ChunkStatus, teacher_columns
@@ -111,7 +109,7 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
         )
     if s0 == 0 or t0 == 0:
         return "chunks_no_predictor"
-    shape = SHAPE_1_1 if m == 1 and n == 1 else SHAPE_1_N if m == 1 else SHAPE_M_1 if n == 1 else SHAPE_M_N
+    shape = chunk_shape(m, n)
     if only_1to1 and shape != SHAPE_1_1:
         return "chunks_not_1to1"
     s_tok = row.student_ids[s0 : s0 + m].tolist()

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N
+from csd_pipeline.loss.events import SHAPE_1_1, chunk_shape
 from csd_pipeline.loss.row_events import ACCEPTED, read_row_chunks, teacher_positions
 
 BASELINE_LOSSES = ("uld", "gold", "strict")
@@ -180,7 +180,7 @@ def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_
         if s0 == 0 or t0 == 0:
             stats["chunks_no_predictor"] += 1
             continue
-        shape = SHAPE_1_1 if m == 1 and n == 1 else SHAPE_1_N if m == 1 else SHAPE_M_1 if n == 1 else SHAPE_M_N
+        shape = chunk_shape(m, n)
         if only_1to1 and shape != SHAPE_1_1:
             stats["chunks_not_1to1"] += 1
             continue

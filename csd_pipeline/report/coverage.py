@@ -36,6 +36,12 @@ class TeacherCoverage:
     shape: np.ndarray
     events: int
     topk_mass: np.ndarray
+    keep: str = "top-k"  # the store's `--keep`: "csd-events" holds only the entries CSD reads
+
+    @property
+    def stored_label(self) -> str:
+        """What a position stores, for labels: "top-128", or "CSD-event entries of the top-128"."""
+        return f"top-{self.top_k}" if self.keep == "top-k" else f"CSD-event entries of the top-{self.top_k}"
 
     def by_shape(self) -> dict:
         """shape -> {"chunks", "mean", "p10", "p50"} of the mass on explicit events."""
@@ -126,7 +132,8 @@ def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = TEACHER_ROWS, 
             advance(len(rows))
     return TeacherCoverage(rows_read=read, rows_total=int(teacher.manifest["totals"]["rows"]), rows_rejected=rejected,
                            top_k=int(teacher.manifest.get("config", {}).get("top_k", 0)), mass=_flat(masses, np.float64),
-                           shape=_flat(shapes, np.int64), events=events, topk_mass=_flat(topk_mass, np.float64))
+                           shape=_flat(shapes, np.int64), events=events, topk_mass=_flat(topk_mass, np.float64),
+                           keep=teacher.keep)
 
 
 def _flat(parts: list, dtype) -> np.ndarray:

@@ -163,7 +163,7 @@ def teacher_mass(coverage, out: Path, name: str) -> str | None:
     right.hist(np.clip(coverage.topk_mass, 0, 1), bins=edges, weights=np.full(coverage.topk_mass.size, 1 / coverage.topk_mass.size),
                color="#777777")
     right.axvline(coverage.topk_mass.mean(), color="black", lw=1, ls="--")
-    right.set(title=f"stored top-{coverage.top_k} mass per position\n(mean {coverage.topk_mass.mean():.2f})",
+    right.set(title=f"stored {coverage.stored_label}: mass per position\n(mean {coverage.topk_mass.mean():.2f})",
               xlabel="teacher probability in the top-k", ylabel="share of positions", xlim=(0, 1))
     right.grid(alpha=0.3)
     fig.suptitle(f"teacher mass on explicit events, per accepted chunk by shape (dashed: mean; "

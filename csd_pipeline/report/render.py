@@ -131,8 +131,8 @@ def _teacher_section(folder: Folder, name: str, out: Path, stem: str, aligned_di
         lines += [f"Teacher mass on explicit events (the probability CSD compares event by event; the rest is "
                   f"REST): mean {coverage.mass.mean():.3f} over {coverage.mass.size:,} accepted chunks, "
                   f"{coverage.events / coverage.mass.size:.1f} events per chunk, from {coverage.rows_read:,} of "
-                  f"{coverage.rows_total:,} rows (aligned folder `{aligned}`). Stored top-"
-                  f"{coverage.top_k} mass per position: mean {coverage.topk_mass.mean():.3f}.", ""]
+                  f"{coverage.rows_total:,} rows (aligned folder `{aligned}`). Mass of the stored "
+                  f"{coverage.stored_label} per position: mean {coverage.topk_mass.mean():.3f}.", ""]
         lines += _table(["shape", "chunks", "mean mass", "p10", "median"],
                         [[s, f"{v['chunks']:,}", f"{v['mean']:.3f}", f"{v['p10']:.3f}", f"{v['p50']:.3f}"]
                          for s, v in coverage.by_shape().items()])

@@ -211,6 +211,12 @@ class TeacherTopkOutput:
         return None if value is None else float(value)
 
     @property
+    def keep(self) -> str:
+        """Which entries the positions hold: "top-k" (the whole top-k) or "csd-events" (`--keep csd-events`:
+        only those the CSD loss turns into events; the baseline losses cannot read it)."""
+        return str((self.manifest.get("config") or {}).get("keep") or "top-k")
+
+    @property
     def teacher_index(self) -> int:
         """Which teacher of the aligned output this is (its `teacher{i}_*` columns)."""
         return int((self.manifest.get("config") or {}).get("teacher_index") or 0)

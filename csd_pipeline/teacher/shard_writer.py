@@ -70,9 +70,12 @@ def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int) -> t
 
 
 def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np.ndarray], tmp_path: Path,
-                        block_positions: int):
+                        block_positions: int, select=None):
     """Compute and encode the teacher top-k of one shard's rows (teacher ids, each non-empty and inside
-    the vocabulary) into the Parquet file `tmp_path`. Returns the executor's `ShardResult`."""
+    the vocabulary) into the Parquet file `tmp_path`. Returns the executor's `ShardResult`.
+
+    select: None (store every entry) or `select(row_index, RowTopk) -> RowTopk`, the entries to store
+    of each kept row (`--keep csd-events`: `event_entries.keep_marked`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -81,7 +84,7 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
     from csd_pipeline.teacher.codec import ENCODING
     from schemas.teacher_topk import RowStatus, teacher_topk_schema
 
-    schema = teacher_topk_schema(runner.top_k, ENCODING, runner.top_p)
+    schema = teacher_topk_schema(runner.top_k, ENCODING, runner.top_p, "top-k" if select is None else "csd-events")
     stats = {"positions": 0, "entries": 0, "rejected": {"non_finite": 0},
              "observed": {"positions": 0, "in_top_k": 0}, "payload_bytes": 0}
     compression = {"row_id": "zstd", "status": "zstd", "positions": "zstd", "block": "zstd", "payload": "none"}
@@ -110,6 +113,8 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
                               write_statistics=False, store_schema=True, **PARQUET_CHECKSUMS) as writer:
             for block, (start, end) in enumerate(block_ranges([len(r) for r in rows], block_positions)):
                 results = runner.run(rows[start:end])
+                if select is not None:
+                    results = [select(start + i, r) if r.finite else r for i, r in enumerate(results)]
                 job = (encode_rows, results, rows[start:end], runner.top_k)
                 pending.append((block, start, end, results, pool.submit(*job) if pool else job[0](*job[1:])))
                 while len(pending) > threads:  # blocks are written in order; at most `threads` in flight
@@ -138,10 +143,29 @@ class TeacherShardWriter:
         self.device = device
         self.dtype = dtype
         self._runner = runner
+        self._context = None
 
     def __getstate__(self) -> dict:
         # A copy for a worker process carries only plain values; the worker loads its own teacher.
-        return {**self.__dict__, "_runner": None}
+        return {**self.__dict__, "_runner": None, "_context": None}
+
+    def event_context(self):
+        """The `EventContext` of the aligned tables of this teacher (`--keep csd-events`), built once."""
+        if self._context is None:
+            from csd_pipeline.loss.event_context import EventContext
+            from csd_pipeline.vocab.tables import load_table
+
+            s2t, t2s = self.aligned.tables(self.config.teacher_index)
+            self._context = EventContext(load_table(s2t), load_table(t2s), tables_name=str(s2t.parent))
+        return self._context
+
+    def event_selector(self, shard):
+        """`select` for `write_teacher_shard` that keeps the CSD-event entries of each row of `shard`."""
+        from csd_pipeline.teacher.event_entries import event_selector
+
+        index = self.config.teacher_index
+        rows = self.aligned.read(shard, self.aligned.training_columns([index])).to_pylist()
+        return event_selector(rows, index, self.event_context())
 
     def runner(self) -> TeacherRunner:
         """The runner of the teacher, loaded once."""
@@ -174,7 +198,8 @@ class TeacherShardWriter:
             if row.min() < 0 or row.max() >= self.vocab_size:
                 raise CsdError(f"aligned row {row_id} of {source} has teacher ids outside the teacher vocabulary "
                                f"(size {self.vocab_size}); the aligned directory was made with another tokenizer.")
-        return write_teacher_shard(self.runner(), row_ids, rows, tmp_path, self.config.block_positions)
+        select = self.event_selector(shard) if self.config.keep == "csd-events" else None
+        return write_teacher_shard(self.runner(), row_ids, rows, tmp_path, self.config.block_positions, select)
 
 
 def deterministic_torch(device: str) -> None:

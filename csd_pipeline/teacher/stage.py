@@ -1,7 +1,8 @@
 """The teacher-logits stage: run the teacher once over the aligned shards, keep its top-k.
 
 For every teacher position of every aligned row it stores the top-k token ids (with `--top-p`,
-only the most likely of them until their probabilities reach that mass), their log-probabilities
+only the most likely of them until their probabilities reach that mass; with `--keep csd-events`,
+only those the CSD loss turns into events, `event_entries.py`), their log-probabilities
 under the softmax over the model's whole output, and the log-probability of the observed next
 token (SPEC §6), in Parquet shards co-partitioned with the aligned shards
 (`schemas/teacher_topk.py`).
@@ -101,6 +102,12 @@ class TeacherLogitsStage(Stage):
         from csd_pipeline.teacher.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
 
         config = self.config
+        keep = {}
+        if config.keep != "top-k":  # recorded only when set: outputs of a whole top-k keep their identity
+            from csd_pipeline.runtime.files import file_sha256
+
+            keep = {"keep": config.keep,
+                    "tables_sha256": [file_sha256(path) for path in self.aligned.tables(config.teacher_index)]}
         return {
             "config": {
                 "top_k": config.top_k,
@@ -115,6 +122,7 @@ class TeacherLogitsStage(Stage):
                 "batch_tokens": config.batch_tokens,
                 "block_positions": config.block_positions,
                 "teacher_index": config.teacher_index,
+                **keep,
             },
             "teacher": {
                 "fingerprint": self.loaded.fingerprint["sha256"],

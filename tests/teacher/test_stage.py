@@ -335,6 +335,50 @@ def test_top_p_out_of_range_is_refused(aligned, tiny_teacher, tmp_path):
             run_stage(aligned, tiny_teacher, tmp_path / "bad", top_p=value)
 
 
+def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_output, tables_for, tmp_path):
+    """--keep csd-events: fewer entries than the whole top-8, recorded in the manifest and the schema; the
+    CSD events of every row (both spelling modes) equal those of the whole top-8; the baselines refuse it."""
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.loss.event_context import EventContext
+    from csd_pipeline.loss.row_events import build_row_events
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.vocab.tables import load_table
+    from trainer.config import LossConfig
+    from trainer.data import _check_keep
+
+    out = tmp_path / "events"
+    assert run_stage(aligned, tiny_teacher, out, keep="csd-events").complete
+    events, whole = TeacherTopkOutput.open(out), TeacherTopkOutput.open(tiny_output)
+    assert events.keep == "csd-events" and whole.keep == "top-k" and "keep" not in whole.manifest["config"]
+    assert len(events.manifest["config"]["tables_sha256"]) == 2
+    assert pq.read_schema(out / events.shard_files[0]).metadata[b"csd.keep"] == b"csd-events"
+    stored = events.manifest["totals"]["stats"]["entries"]
+    assert stored < whole.manifest["totals"]["stats"]["entries"]
+    s2t, t2s = tables_for("gpt-2", "smollm2")
+    context = EventContext(load_table(s2t), load_table(t2s))
+    from csd_pipeline.align.output import AlignedOutput
+
+    source = AlignedOutput.open(aligned)
+    rows = [r for shard in source.shards for r in source.read(shard, source.training_columns([0])).to_pylist()]
+    counts, chunks = [], 0
+    for row, kept, full in zip(rows, events.rows(), whole.rows(), strict=True):
+        counts.extend(kept.lengths.tolist())
+        np.testing.assert_array_equal(kept.observed_logprob, full.observed_logprob)
+        for spelling in ("sum", "exclude"):
+            a = build_row_events(row, 0, full, context, spelling=spelling)
+            b = build_row_events(row, 0, kept, context, spelling=spelling)
+            for name in ("final_pos", "final_tok", "final_event", "event_chunk", "event_teacher_logq", "chain_pos"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+            chunks += a.num_chunks
+    assert chunks > 0 and 1 in counts and max(counts) > 1 and sum(counts) == stored
+    with pytest.raises(CsdError, match="--keep csd-events"):
+        _check_keep(LossConfig(loss="uld"), events)
+    _check_keep(LossConfig(loss="csd"), events)
+    _check_keep(LossConfig(loss="uld"), whole)
+
+
 def test_version_1_output_is_still_read():
     """An output of schema version 1 (tests/data/teacher-topk-v1: written by the code before --top-p,
     fixed top-8 of SmolLM2 on Genesis 1) opens and reads: every position holds its 8 entries, the ids
