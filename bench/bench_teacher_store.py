@@ -8,7 +8,7 @@ Parquet file) from those same values:
 - `top-128`, `top-64`, `top-32`: a fixed top-k (`--top-k 128`, ...);
 - `p0.99`, `p0.95`, `p0.90`: the mass-adaptive top-k (`--top-p P --top-k 128`): per position the most
   likely entries until their probabilities reach P, at most 128; `p0.99k64`: `--top-p 0.99 --top-k 64`;
-- `events128`, `events72`: `--top-k 128` / `72 --keep csd-events`, only the entries the CSD loss turns
+- `events128`, `events72`, `events68`: `--top-k 128` / `72` / `68 --keep csd-events`, only the entries the CSD loss turns
   into events (these depend on the student: `--student NAME`, default gpt-2; the quality benchmark's
   student is llama-spm).
 
@@ -45,7 +45,7 @@ STORED_K = 128
 SETTINGS = {"top-128": (128, None, "top-k"), "top-64": (64, None, "top-k"), "top-32": (32, None, "top-k"),
             "p0.99": (128, 0.99, "top-k"), "p0.95": (128, 0.95, "top-k"), "p0.90": (128, 0.90, "top-k"),
             "p0.99k64": (64, 0.99, "top-k"), "events128": (128, None, "csd-events"),
-            "events72": (72, None, "csd-events")}
+            "events72": (72, None, "csd-events"), "events68": (68, None, "csd-events")}
 
 
 class _Replay:

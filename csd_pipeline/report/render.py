@@ -120,7 +120,9 @@ def _teacher_section(folder: Folder, name: str, out: Path, stem: str, aligned_di
              f"Folder `{folder.path}`: teacher `{manifest.get('sources', {}).get('teacher', '?')}`, top-"
              f"{config.get('top_k', '?')} of {stats.get('positions', 0):,} positions in "
              f"{manifest['totals']['rows']:,} rows ({stats.get('rejected', {}).get('non_finite', 0)} rejected as "
-             f"non-finite); the observed next token is in the stored top-k at "
+             f"non-finite), {stats.get('entries', 0) / max(stats.get('positions', 0), 1):.1f} entries stored per "
+             f"position{' (only those CSD turns into events: --keep csd-events)' if folder.output.keep != 'top-k' else ''}"
+             f"; the observed next token is among the stored entries at "
              f"{_share(observed.get('in_top_k', 0), observed.get('positions', 0))} of positions.", ""]
     aligned = matching_aligned(folder.output, aligned_dirs)
     bar = progress_bar(min(rows, manifest["totals"]["rows"])) if progress_bar else None
