@@ -114,9 +114,10 @@ class EventContext:
     def prefix_support(self, direction: str, prefix: bytes) -> list:
         """The `direction` ("s2t" or "t2s") table's prefix-support entries (a, b) with a == prefix + b (cached)."""
         key = (direction, prefix)
-        if key not in self._prefix_cache:
+        entries = self._prefix_cache.get(key)
+        if entries is None:  # read once into a local: encoder threads (teacher-logits) share this cache
             table = self.s2t if direction == "s2t" else self.t2s
             if len(self._prefix_cache) > 4096:
                 self._prefix_cache.clear()
-            self._prefix_cache[key] = list(table.prefix_support(prefix))
-        return self._prefix_cache[key]
+            entries = self._prefix_cache[key] = list(table.prefix_support(prefix))
+        return entries

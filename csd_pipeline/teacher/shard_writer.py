@@ -38,13 +38,17 @@ def block_ranges(lengths, block_positions: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int) -> tuple[bytes, dict]:
+def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int, select=None,
+                first_row: int = 0) -> tuple[bytes, dict]:
     """Encode the kept rows (finite) of one block; returns (payload, stats of the block).
 
     Each position stores its `RowTopk.lengths` most likely entries; `entries` counts them and
-    `observed.in_top_k` counts the observed tokens among them."""
+    `observed.in_top_k` counts the observed tokens among them. `select(row_index, RowTopk)`, when
+    given, first chooses the entries of each kept row (row_index: `first_row` + its place here)."""
     from csd_pipeline.teacher.codec import encode_block
 
+    if select is not None:
+        results = [select(first_row + i, r) if r.finite else r for i, r in enumerate(results)]
     kept = [(r, row) for r, row in zip(results, rows) if r.finite]
     if kept:
         ids = np.concatenate([r.ids for r, _ in kept])
@@ -113,9 +117,8 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
                               write_statistics=False, store_schema=True, **PARQUET_CHECKSUMS) as writer:
             for block, (start, end) in enumerate(block_ranges([len(r) for r in rows], block_positions)):
                 results = runner.run(rows[start:end])
-                if select is not None:
-                    results = [select(start + i, r) if r.finite else r for i, r in enumerate(results)]
-                job = (encode_rows, results, rows[start:end], runner.top_k)
+                # The entry selection runs with the encoding, off the teacher's path on a GPU.
+                job = (encode_rows, results, rows[start:end], runner.top_k, select, start)
                 pending.append((block, start, end, results, pool.submit(*job) if pool else job[0](*job[1:])))
                 while len(pending) > threads:  # blocks are written in order; at most `threads` in flight
                     write(*pending.popleft())
