@@ -227,7 +227,9 @@ def keep_most_likely(topk, n: int):
 
     The stored entries are the teacher's k most likely ids, so their n most likely are exactly what a
     top-n capture would store (up to the encoding's quantisation). A variable-length row (`--top-p`)
-    keeps min(n, its length) entries per position: padding (log-prob -inf) sorts last.
+    keeps min(n, its length) entries per position: padding (log-prob -inf) sorts last. Of a
+    `--keep csd-events` row these are the n most likely event entries (a superset of the events of a
+    top-n capture).
     """
     from dataclasses import replace
 
