@@ -162,13 +162,19 @@ class TeacherShardWriter:
             self._context = EventContext(load_table(s2t), load_table(t2s), tables_name=str(s2t.parent))
         return self._context
 
-    def event_selector(self, shard):
-        """`select` for `write_teacher_shard` that keeps the CSD-event entries of each row of `shard`."""
-        from csd_pipeline.teacher.event_entries import event_selector
-
+    def shard_rows(self, shard):
+        """(row ids, teacher ids of each row as int64 arrays, `select` for `write_teacher_shard` or None) of
+        one aligned shard, read once: with `--keep csd-events` the chunk columns too, for the selection."""
         index = self.config.teacher_index
-        rows = self.aligned.read(shard, self.aligned.training_columns([index])).to_pylist()
-        return event_selector(rows, index, self.event_context())
+        if self.config.keep != "csd-events":
+            return (*self.aligned.teacher_rows(shard, index), None)
+        from csd_pipeline.teacher.event_entries import event_selector
+        from schemas.aligned import teacher_columns
+
+        aligned_rows = self.aligned.read(shard, self.aligned.training_columns([index])).to_pylist()
+        ids = teacher_columns(index)[0]
+        rows = [np.asarray(row[ids], dtype=np.int64) for row in aligned_rows]
+        return [row["row_id"] for row in aligned_rows], rows, event_selector(aligned_rows, index, self.event_context())
 
     def runner(self) -> TeacherRunner:
         """The runner of the teacher, loaded once."""
@@ -194,14 +200,13 @@ class TeacherShardWriter:
         if not unchanged or file_sha256(source) != task.spec["aligned_sha256"]:
             raise CsdError(f"aligned shard {source} is missing or differs from what its manifest records; re-run "
                            "csd-pipeline align, then teacher-logits into a new --output.")
-        row_ids, rows = self.aligned.teacher_rows(shard, self.config.teacher_index)
+        row_ids, rows, select = self.shard_rows(shard)
         for row_id, row in zip(row_ids, rows):
             if row.size == 0:
                 raise CsdError(f"aligned row {row_id} of {source} has no teacher tokens; re-run csd-pipeline align.")
             if row.min() < 0 or row.max() >= self.vocab_size:
                 raise CsdError(f"aligned row {row_id} of {source} has teacher ids outside the teacher vocabulary "
                                f"(size {self.vocab_size}); the aligned directory was made with another tokenizer.")
-        select = self.event_selector(shard) if self.config.keep == "csd-events" else None
         return write_teacher_shard(self.runner(), row_ids, rows, tmp_path, self.config.block_positions, select)
 
 
