@@ -41,27 +41,30 @@ if str(ROOT) not in sys.path:
 TEACHER = "smollm2-135m-instruct"
 TEACHER_TOKENIZERS = {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3"}  # model fixture -> its tokenizer
 STORED_K = 128
-# name -> (--top-k, --top-p, --keep)
-SETTINGS = {"top-128": (128, None, "top-k"), "top-64": (64, None, "top-k"), "top-32": (32, None, "top-k"),
-            "p0.99": (128, 0.99, "top-k"), "p0.95": (128, 0.95, "top-k"), "p0.90": (128, 0.90, "top-k"),
-            "p0.99k64": (64, 0.99, "top-k"), "events128": (128, None, "csd-events"),
-            "events72": (72, None, "csd-events"), "events68": (68, None, "csd-events")}
+# name -> (--top-k, --top-p, --keep, --min-p)
+SETTINGS = {"top-128": (128, None, "top-k", None), "top-64": (64, None, "top-k", None),
+            "top-32": (32, None, "top-k", None), "p0.99": (128, 0.99, "top-k", None),
+            "p0.95": (128, 0.95, "top-k", None), "p0.90": (128, 0.90, "top-k", None),
+            "p0.99k64": (64, 0.99, "top-k", None), "events128": (128, None, "csd-events", None),
+            "events72": (72, None, "csd-events", None), "events68": (68, None, "csd-events", None),
+            "events-min0.004": (128, None, "csd-events", 0.004),
+            "events-min0.0035": (128, None, "csd-events", 0.0035)}
 
 
 class _Replay:
-    """A stand-in for `TeacherRunner` that hands back values computed once (per setting: k, top_p)."""
+    """A stand-in for `TeacherRunner` that hands back values computed once (per setting: k, top_p, min_p)."""
 
-    def __init__(self, results: dict, device, top_k: int, top_p: float | None):
-        self.results, self.device, self.top_k, self.top_p = results, device, top_k, top_p
+    def __init__(self, results: dict, device, top_k: int, top_p: float | None, min_p: float | None = None):
+        self.results, self.device, self.top_k, self.top_p, self.min_p = results, device, top_k, top_p, min_p
 
     def run(self, rows):
-        from csd_pipeline.teacher.runner import mass_lengths
+        from csd_pipeline.teacher.runner import kept_lengths
 
         out = []
         for row in rows:
             full = self.results[id(row)]
             ids, logprobs = full.ids[:, :self.top_k], full.logprobs[:, :self.top_k]
-            lengths = None if self.top_p is None else mass_lengths(logprobs, self.top_p)
+            lengths = kept_lengths(logprobs, self.top_p, self.min_p)
             out.append(replace(full, ids=ids, logprobs=logprobs, lengths=lengths))
         return out
 
@@ -158,9 +161,9 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
             select = event_selector(aligned.read(shard, aligned.training_columns([0])).to_pylist(), 0, context)
             results = runner.run(rows)
             all_rows += rows
-            for name, (top_k, top_p, keep) in SETTINGS.items():
+            for name, (top_k, top_p, keep, min_p) in SETTINGS.items():
                 target = tmp / f"{name}-{index}.parquet"
-                replay = _Replay({id(r): res for r, res in zip(rows, results)}, runner.device, top_k, top_p)
+                replay = _Replay({id(r): res for r, res in zip(rows, results)}, runner.device, top_k, top_p, min_p)
                 chosen = select if keep == "csd-events" else None
                 stats = write_teacher_shard(replay, row_ids, rows, target, block, chosen).stats
                 size = target.stat().st_size
@@ -180,7 +183,7 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
                 write_teacher_shard(runner, row_ids, rows, tmp / "real-events128.parquet", block, select)
                 same_events = (tmp / "real-events128.parquet").read_bytes() == (tmp / "events128-0.parquet").read_bytes()
         seconds = time.perf_counter() - began
-        for name, (top_k, _, _) in SETTINGS.items():
+        for name, (top_k, *_) in SETTINGS.items():
             size, positions = totals[name]
             metrics[f"all/{name}/bytes_per_position"] = round(size / positions, 2)
             metrics[f"all/{name}/pooled_block_payload_bytes_per_position"] = round(

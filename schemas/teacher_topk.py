@@ -27,7 +27,9 @@ position of each row has no observed token.
 
 Which entries a position stores: with a fixed top-k (no `--top-p`), the k most likely ids; with
 `--top-p P`, the n most likely, where n is the smallest count whose probabilities (float32
-log-probs, summed in float64) reach P, and at most k (so n = k where the top-k holds less than P).
+log-probs, summed in float64) reach P, and at most k (so n = k where the top-k holds less than P);
+with `--min-p R`, the n most likely whose probabilities are at least R times the first's (log-probs
+compared in float64, n >= 1; metadata `csd.min_p`); with both, the smaller n.
 The most likely entry is always stored (n >= 1).
 
 With `--keep csd-events` (manifest `config.keep`, schema metadata `csd.keep` = "csd-events"; the
@@ -91,12 +93,14 @@ class RowStatus(IntEnum):
     infinite; the row is rejected (counted as `rejected.non_finite` in the stats) and holds no values."""
 
 
-def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep: str = "top-k"):
+def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep: str = "top-k",
+                        min_p: float | None = None):
     """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
     The schema metadata records the schema name and version, k, the encoding name, the `--top-p`
     mass bound (`top_p`, None for a fixed top-k), `csd.keep` = "csd-events" for a store of only the
-    entries CSD reads (`--keep csd-events`; absent for a whole top-k) and that the pages carry
+    entries CSD reads (`--keep csd-events`; absent for a whole top-k), `csd.min_p` the `--min-p` ratio
+    (absent without it) and that the pages carry
     checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
@@ -117,6 +121,7 @@ def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep:
         b"csd.encoding": encoding.encode(),
         b"csd.top_p": b"" if top_p is None else repr(float(top_p)).encode(),
         **({} if keep == "top-k" else {b"csd.keep": keep.encode()}),
+        **({} if min_p is None else {b"csd.min_p": repr(float(min_p)).encode()}),
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)

@@ -116,9 +116,10 @@ def _teacher_section(folder: Folder, name: str, out: Path, stem: str, aligned_di
     manifest = folder.output.manifest
     stats, config = manifest["totals"].get("stats", {}), manifest.get("config", {})
     observed = stats.get("observed", {})
+    cuts = ", ".join(f"--{key.replace('_', '-')} {config[key]}" for key in ("top_p", "min_p") if config.get(key))
     lines = [f"## Teacher top-k `{name}`", "",
              f"Folder `{folder.path}`: teacher `{manifest.get('sources', {}).get('teacher', '?')}`, top-"
-             f"{config.get('top_k', '?')} of {stats.get('positions', 0):,} positions in "
+             f"{config.get('top_k', '?')}{f' ({cuts})' if cuts else ''} of {stats.get('positions', 0):,} positions in "
              f"{manifest['totals']['rows']:,} rows ({stats.get('rejected', {}).get('non_finite', 0)} rejected as "
              f"non-finite), {stats.get('entries', 0) / max(stats.get('positions', 0), 1):.1f} entries stored per "
              f"position{' (only those CSD turns into events: --keep csd-events)' if folder.output.keep != 'top-k' else ''}"

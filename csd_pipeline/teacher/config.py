@@ -28,6 +28,9 @@ class TeacherLogitsConfig:
     top_p: float | None = option(
         None, "Mass-adaptive top-k: keep each position's most likely entries until their probabilities reach "
               "this mass (e.g. 0.99), at most --top-k of them (default: always --top-k).")
+    min_p: float | None = option(
+        None, "Relative cut: keep only the entries at least this many times as likely as the position's most likely "
+              "one (e.g. 0.005), at most --top-k of them: flat positions keep many, peaked ones few.")
     keep: str = option(
         "top-k", "Which of those entries to store: top-k (all of them; every loss reads them) or csd-events (only "
                  "those the CSD loss turns into events with the aligned tables: the same CSD training from about 30% "
@@ -51,6 +54,9 @@ class TeacherLogitsConfig:
             raise CsdError(f"--top-k {self.top_k} is out of range; pass a value in [1, {MAX_K}].")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise CsdError(f"--top-p {self.top_p} is out of range; pass a mass in (0, 1], e.g. 0.99, or leave it out "
+                           "for a fixed --top-k.")
+        if self.min_p is not None and not 0.0 < self.min_p <= 1.0:
+            raise CsdError(f"--min-p {self.min_p} is out of range; pass a ratio in (0, 1], e.g. 0.005, or leave it out "
                            "for a fixed --top-k.")
         if self.keep not in KEEP_CHOICES:
             raise CsdError(f"--keep {self.keep!r} is not one of {', '.join(KEEP_CHOICES)}; pass top-k (the default) or "

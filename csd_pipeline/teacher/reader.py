@@ -211,6 +211,12 @@ class TeacherTopkOutput:
         return None if value is None else float(value)
 
     @property
+    def min_p(self) -> float | None:
+        """The `--min-p` ratio of a variable-length output; None without it."""
+        value = (self.manifest.get("config") or {}).get("min_p")
+        return None if value is None else float(value)
+
+    @property
     def keep(self) -> str:
         """Which entries the positions hold: "top-k" (the whole top-k) or "csd-events" (`--keep csd-events`:
         only those the CSD loss turns into events; the baseline losses cannot read it)."""

@@ -9,7 +9,8 @@
 - Log-softmax over the model's whole output; ids at or beyond the tokenizer size (padded rows) are
   kept out of the top-k after the normalisation.
 - With `top_p`, each position keeps only its most likely entries until their probabilities reach
-  `top_p` (at most `top_k`; `mass_lengths`): `RowTopk.lengths` says how many.
+  `top_p` (at most `top_k`; `mass_lengths`); with `min_p`, only the entries at least `min_p` times as
+  likely as its most likely one (`relative_lengths`); with both, the fewer. `RowTopk.lengths` says how many.
 - A row with any non-finite value is marked (`finite=False`) for the stage to reject.
 - On a GPU an out-of-memory batch is split in two and retried.
 """
@@ -55,6 +56,27 @@ def mass_lengths(logprobs: np.ndarray, top_p: float) -> np.ndarray:
     return np.maximum(np.count_nonzero(before < top_p, axis=1), 1).astype(np.int64)
 
 
+def relative_lengths(logprobs: np.ndarray, min_p: float) -> np.ndarray:
+    """Per position, how many entries are at least `min_p` times as likely as the most likely one
+    (log-prob >= the first's + log(min_p), compared in float64), at least 1.
+
+    logprobs: float [P, k], each row descending (a top-k). A flat position keeps many entries, a
+    peaked one few: the same log-ratio below the top entry everywhere.
+    """
+    values = np.asarray(logprobs, dtype=np.float64)
+    floor = values[:, :1] + np.log(min_p)
+    return np.maximum(np.count_nonzero(values >= floor, axis=1), 1).astype(np.int64)
+
+
+def kept_lengths(logprobs: np.ndarray, top_p: float | None, min_p: float | None) -> np.ndarray | None:
+    """The entries each position keeps under `--top-p` and `--min-p` (the fewer of the two; None: all)."""
+    kept = None if top_p is None else mass_lengths(logprobs, top_p)
+    if min_p is not None:
+        relative = relative_lengths(logprobs, min_p)
+        kept = relative if kept is None else np.minimum(kept, relative)
+    return kept
+
+
 def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
     """Group row indices into batches: longest first, each batch's rows x longest row <= batch_tokens
     (a row longer than the budget goes alone). A pure function of (lengths, batch_tokens)."""
@@ -72,11 +94,12 @@ class TeacherRunner:
     """Computes `RowTopk`s for rows of teacher token ids with a loaded model (`LoadedModel`).
 
     vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k. top_p: keep
-    only the most likely entries of each position until they hold this probability (None: all top_k).
+    only the most likely entries of each position until they hold this probability (None: all top_k);
+    min_p: keep only the entries at least this many times as likely as the position's most likely one.
     """
 
     def __init__(self, loaded, *, top_k: int, vocab_limit: int, batch_tokens: int, temperature: float = 1.0,
-                 top_p: float | None = None, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+                 top_p: float | None = None, min_p: float | None = None, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
         import torch
 
         self.loaded = loaded
@@ -91,6 +114,7 @@ class TeacherRunner:
             raise CsdError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_limit}); pass a smaller --top-k.")
         self.temperature = temperature
         self.top_p = top_p
+        self.min_p = min_p
         self.batch_tokens = batch_tokens
         self.chunk = max(1, logit_chunk_elements // self.output_size)
         self._head = None
@@ -197,7 +221,7 @@ class TeacherRunner:
         lp_all = torch.cat(lp_out).numpy()
         obs_all = torch.cat(obs_out).numpy()
         ok_all = torch.cat(ok_out).numpy()
-        kept = None if self.top_p is None else mass_lengths(lp_all, self.top_p)
+        kept = kept_lengths(lp_all, self.top_p, self.min_p)
         results, offset = [], 0
         for n in lengths:
             part = slice(offset, offset + n)

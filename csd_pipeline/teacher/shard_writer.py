@@ -88,7 +88,8 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
     from csd_pipeline.teacher.codec import ENCODING
     from schemas.teacher_topk import RowStatus, teacher_topk_schema
 
-    schema = teacher_topk_schema(runner.top_k, ENCODING, runner.top_p, "top-k" if select is None else "csd-events")
+    schema = teacher_topk_schema(runner.top_k, ENCODING, runner.top_p, "top-k" if select is None else "csd-events",
+                                 runner.min_p)
     stats = {"positions": 0, "entries": 0, "rejected": {"non_finite": 0},
              "observed": {"positions": 0, "in_top_k": 0}, "payload_bytes": 0}
     compression = {"row_id": "zstd", "status": "zstd", "positions": "zstd", "block": "zstd", "payload": "none"}
@@ -187,7 +188,7 @@ class TeacherShardWriter:
                                     trust_remote_code=config.trust_remote_code)
             self._runner = TeacherRunner(loaded, top_k=config.top_k, vocab_limit=self.vocab_size,
                                          temperature=float(config.temperature), batch_tokens=config.batch_tokens,
-                                         top_p=config.top_p)
+                                         top_p=config.top_p, min_p=config.min_p)
         return self._runner
 
     def __call__(self, task, tmp_path: Path):

@@ -69,7 +69,7 @@ class TeacherLogitsStage(Stage):
         self._check_teacher(log)
         self.runner = TeacherRunner(self.loaded, top_k=config.top_k, vocab_limit=self.tokenizer.size,
                                     temperature=float(config.temperature), batch_tokens=config.batch_tokens,
-                                    top_p=config.top_p)
+                                    top_p=config.top_p, min_p=config.min_p)
 
     def _check_teacher(self, log) -> None:
         """Refuse a teacher with fewer outputs than the aligned teacher tokenizer has ids, or whose own
@@ -102,11 +102,11 @@ class TeacherLogitsStage(Stage):
         from csd_pipeline.teacher.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
 
         config = self.config
-        keep = {}
+        keep = {} if config.min_p is None else {"min_p": config.min_p}  # recorded only when set, as keep
         if config.keep != "top-k":  # recorded only when set: outputs of a whole top-k keep their identity
             from csd_pipeline.runtime.files import file_sha256
 
-            keep = {"keep": config.keep,
+            keep |= {"keep": config.keep,
                     "tables_sha256": [file_sha256(path) for path in self.aligned.tables(config.teacher_index)]}
         return {
             "config": {

@@ -335,6 +335,56 @@ def test_top_p_out_of_range_is_refused(aligned, tiny_teacher, tmp_path):
             run_stage(aligned, tiny_teacher, tmp_path / "bad", top_p=value)
 
 
+MIN_P = 0.05
+
+
+@pytest.mark.parametrize("top_p", [None, TOP_P])
+def test_min_p_keeps_the_entries_within_a_ratio_of_the_most_likely(aligned, tiny_teacher, tmp_path, top_p):
+    """--min-p R: position t keeps the n most likely ids whose float64 reference probabilities are at
+    least R times the most likely one's, at most K (with --top-p as well: the smaller of the two counts);
+    then padding. Recorded in the manifest and the schema; positions keep 1 entry and K entries."""
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+
+    out = tmp_path / "min-p"
+    assert run_stage(aligned, tiny_teacher, out, min_p=MIN_P, top_p=top_p).complete
+    output = TeacherTopkOutput.open(out)
+    assert output.min_p == MIN_P and output.top_p == top_p and output.manifest["config"]["min_p"] == MIN_P
+    metadata = pq.read_schema(out / output.shard_files[0]).metadata
+    assert metadata[b"csd.min_p"] == repr(MIN_P).encode()
+    counts, capped = [], 0
+    for row, (_, _, ids) in zip(output.rows(), aligned_rows(aligned)):
+        real = float64_reference(tiny_teacher, ids)[:, :VOCAB]
+        top = -np.sort(-real, axis=1)[:, :K]
+        for t in range(len(ids)):
+            n = int(row.lengths[t])
+            gaps = top[t] - (top[t, 0] + np.log(MIN_P))
+            expected, boundary = int(np.count_nonzero(gaps >= 0)), np.abs(gaps).min() < 1e-4
+            if top_p is not None:
+                mass = np.cumsum(np.exp(top[t]))
+                by_mass = min(K, 1 + int(np.count_nonzero(mass < top_p)))
+                capped += by_mass < expected
+                boundary = boundary or np.abs(mass - top_p).min() < 1e-4
+                expected = min(expected, by_mass)
+            assert n == expected or (boundary and abs(n - expected) == 1), (t, n, expected, top[t])
+            kept, values = row.entries(t)
+            assert np.all(real[t, kept] >= top[t, n - 1] - 1e-4)
+            assert np.all(np.abs(values - real[t, kept]) <= TOLERANCE)
+            assert np.all(row.ids[t, n:] == -1) and np.all(np.isneginf(row.logprobs[t, n:]))
+            counts.append(n)
+    assert 1 in counts and K in counts and 1 < np.mean(counts) < K
+    assert top_p is None or capped > 0  # the mass bound decides some positions
+
+
+def test_min_p_out_of_range_is_refused(aligned, tiny_teacher, tmp_path):
+    from csd_pipeline.errors import CsdError
+
+    for value in (0.0, 1.5, -0.1):
+        with pytest.raises(CsdError, match="--min-p"):
+            run_stage(aligned, tiny_teacher, tmp_path / "bad", min_p=value)
+
+
 def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_output, tables_for, tmp_path):
     """--keep csd-events: fewer entries than the whole top-8, recorded in the manifest and the schema; the
     CSD events of every row (both spelling modes) equal those of the whole top-8; the baselines refuse it."""
