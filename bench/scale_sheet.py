@@ -7,10 +7,12 @@ Measured here, on one CPU thread unless said:
   loaded and tables built beforehand (their one-time cost is not per token): aligned shard bytes per
   student token and teacher tokens per student token (from the manifest), and student tokens per
   CPU-second of the stage (process CPU time, Parquet writing included);
-- the teacher store's codec: SmolLM2-135M-Instruct's top-128 on the first 4,000 tokens of
-  `python-docs-slice.txt` (one float32 forward), then `encode_block` / `decode_block` of the same
-  positions as one block, per setting (fixed top-128 and top-32, --top-p 0.99 / 0.90 with
-  --top-k 128): positions per CPU-second each way and the payload bytes per position.
+- the teacher store's codec: SmolLM2-135M-Instruct's top-128 on the first aligned python-docs
+  windows (at least 4,000 teacher positions; one float32 forward), then `encode_block` /
+  `decode_block` of the same positions as one block, per setting (fixed top-128 and top-32,
+  --top-p 0.99 / 0.90 with --top-k 128, and --keep csd-events of the top-128 alone and with
+  --min-p 0.0035: the entries `teacher-logits` would store for those windows): positions per
+  CPU-second each way, the payload bytes and entries per position.
 
 Projections (`--tokens`, default 1e9 1e10 1e11 student tokens): bytes on disk, align CPU hours,
 encode CPU hours, decode CPU hours, and the teacher forward's GPU hours for 1B / 8B / 70B teachers
@@ -38,8 +40,12 @@ ASSUMED_TFLOPS = 400.0  # bf16 forward per GPU: about 40% of an H100's dense pea
 TEACHERS = {"1B": 1.24e9, "8B": 8.03e9, "70B": 70.6e9}  # parameters (Llama 3.2 1B, 3.1 8B, 3.1 70B)
 # Bytes per teacher position of the store, SmolLM2-135M-Instruct on bench/corpus/kinds.jsonl
 # (python bench/bench_teacher_store.py, all kinds, shard files).
-TEACHER_BYTES = {"top-128": 237.87, "top-32": 60.37, "p0.99": 185.37, "p0.90": 101.58}
-SETTINGS = {"top-128": (128, None), "top-32": (32, None), "p0.99": (128, 0.99), "p0.90": (128, 0.90)}
+TEACHER_BYTES = {"top-128": 237.87, "top-32": 60.37, "p0.99": 185.37, "p0.90": 101.58, "events128": 168.5,
+                 "events-min0.0035": 72.46}
+# name -> (--top-k, --top-p, --min-p, --keep)
+SETTINGS = {"top-128": (128, None, None, "top-k"), "top-32": (32, None, None, "top-k"),
+            "p0.99": (128, 0.99, None, "top-k"), "p0.90": (128, 0.90, None, "top-k"),
+            "events128": (128, None, None, "csd-events"), "events-min0.0035": (128, None, 0.0035, "csd-events")}
 STEP = {"tokens_per_gpu": 8 * 4096, "seconds": 1.0}  # the trainer example: 8 windows of 4096 per GPU per second
 
 
@@ -75,41 +81,56 @@ def measure_align(tmp: Path) -> dict:
             "student_tokens_per_cpu_second": student / cpu}
 
 
-def measure_codec() -> dict:
-    """Encode / decode positions per CPU-second and payload bytes per position, per setting."""
+def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
+    """Encode / decode positions per CPU-second and payload bytes per position, per setting: the
+    teacher's top-128 on the first `positions` teacher positions of the aligned python-docs windows,
+    each setting's entries chosen as `teacher-logits` chooses them (the event selection included)."""
     import numpy as np
     import torch
 
+    from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.fixtures.names import model_path
+    from csd_pipeline.loss.event_context import EventContext
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.codec import decode_block, encode_block
-    from csd_pipeline.teacher.runner import TeacherRunner, mass_lengths
-    from csd_pipeline.vocab.vocabulary import load_tokenizer
+    from csd_pipeline.teacher.event_entries import event_selector
+    from csd_pipeline.teacher.runner import RowTopk, TeacherRunner, kept_lengths
+    from csd_pipeline.vocab.tables import load_table
 
     torch.set_num_threads(1)
-    bundle = load_tokenizer(str(model_path("smollm2-135m-instruct")))
-    text = (DATA / "python-docs-slice.txt").read_text(encoding="utf-8")
-    ids = bundle.encode_spans([text[:20000]])[0].ids[:3999]
-    rows = [np.concatenate([[bundle.vocab.context_token()], ids]).astype(np.int64)[i:i + 1000] for i in range(0, 4000, 1000)]
+    aligned = AlignedOutput.open(aligned_dir)
+    columns = aligned.training_columns([0])
+    aligned_rows = [row for shard in aligned.shards for row in aligned.read(shard, columns).to_pylist()
+                    if "python-docs-slice" in row["row_id"].rsplit(":", 2)[0]]
+    rows, count = [], 0
+    while count < positions:
+        rows.append(np.asarray(aligned_rows[len(rows)]["teacher0_ids"], dtype=np.int64))
+        count += len(rows[-1])
+    aligned_rows = aligned_rows[:len(rows)]
     runner = TeacherRunner(load_causal_lm(str(model_path("smollm2-135m-instruct")), device="cpu"), top_k=128,
-                           vocab_limit=bundle.vocab.size, batch_tokens=8192)
+                           vocab_limit=aligned.teacher_tokenizer(0).size, batch_tokens=8192)
     results = runner.run(rows)
-    top_ids = np.concatenate([r.ids for r in results])
-    top_lp = np.concatenate([r.logprobs for r in results])
-    observed = np.concatenate([r.observed for r in results])
+    select = event_selector(aligned_rows, 0, EventContext(*(load_table(path) for path in aligned.tables(0))))
     observed_ids = np.concatenate([np.append(row[1:], -1) for row in rows])
-    out = {"positions": len(top_ids)}
-    for name, (k, top_p) in SETTINGS.items():
-        lengths = None if top_p is None else mass_lengths(top_lp[:, :k], top_p)
+    out = {"positions": count}
+    for name, (k, top_p, min_p, keep) in SETTINGS.items():
+        chosen = []
+        for index, result in enumerate(results):
+            ids, logprobs = result.ids[:, :k], result.logprobs[:, :k]
+            row = RowTopk(ids, logprobs, result.observed, result.finite, kept_lengths(logprobs, top_p, min_p))
+            chosen.append(select(index, row) if keep == "csd-events" else row)
+        ids, logprobs = np.concatenate([r.ids for r in chosen]), np.concatenate([r.logprobs for r in chosen])
+        lengths = np.concatenate([r.lengths for r in chosen])
+        observed = np.concatenate([r.observed for r in chosen])
         began = time.process_time()
-        payload = encode_block(top_ids[:, :k], top_lp[:, :k], observed_ids, observed, lengths)
+        payload = encode_block(ids, logprobs, observed_ids, observed, lengths)
         encode = time.process_time() - began
         began = time.process_time()
         decode_block(payload, observed_ids >= 0)
         decode = time.process_time() - began
-        out[name] = {"payload_bytes_per_position": len(payload) / len(top_ids),
-                     "encode_positions_per_cpu_second": len(top_ids) / encode,
-                     "decode_positions_per_cpu_second": len(top_ids) / decode}
+        out[name] = {"payload_bytes_per_position": len(payload) / count, "entries_per_position": lengths.mean(),
+                     "encode_positions_per_cpu_second": count / encode,
+                     "decode_positions_per_cpu_second": count / decode}
     return out
 
 
@@ -141,7 +162,7 @@ def project(align: dict, codec: dict, tokens: list[float], teacher_bytes: dict) 
 def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="scale-sheet-") as tmp:
         align = measure_align(Path(tmp))
-    codec = measure_codec()
+        codec = measure_codec(Path(tmp) / "aligned")
     result = {"align": align, "codec": codec, "teacher_bytes_per_position": TEACHER_BYTES,
               "assumed_gpu_tflops": ASSUMED_TFLOPS, "step": STEP,
               **project(align, codec, [1e9, 1e10, 1e11], TEACHER_BYTES)}
