@@ -10,7 +10,9 @@ Parquet file) from those same values:
   likely entries until their probabilities reach P, at most 128; `p0.99k64`: `--top-p 0.99 --top-k 64`;
 - `events128`, `events72`, `events68`: `--top-k 128` / `72` / `68 --keep csd-events`, only the entries the CSD loss turns
   into events (these depend on the student: `--student NAME`, default gpt-2; the quality benchmark's
-  student is llama-spm).
+  student is llama-spm);
+- `min0.0035`: `--top-k 128 --min-p 0.0035`, the entries at least 0.0035 times as likely as the first;
+  `events-min0.004`, `events-min0.0035`: those with `--keep csd-events`.
 
 Reported per kind and over all kinds: shard-file bytes per position, entries per position (mean,
 share of positions with 1 entry and with 128), the teacher mass the stored entries hold, and how
@@ -47,7 +49,7 @@ SETTINGS = {"top-128": (128, None, "top-k", None), "top-64": (64, None, "top-k",
             "p0.95": (128, 0.95, "top-k", None), "p0.90": (128, 0.90, "top-k", None),
             "p0.99k64": (64, 0.99, "top-k", None), "events128": (128, None, "csd-events", None),
             "events72": (72, None, "csd-events", None), "events68": (68, None, "csd-events", None),
-            "events-min0.004": (128, None, "csd-events", 0.004),
+            "min0.0035": (128, None, "top-k", 0.0035), "events-min0.004": (128, None, "csd-events", 0.004),
             "events-min0.0035": (128, None, "csd-events", 0.0035)}
 
 

@@ -261,9 +261,19 @@ class EvaluationConfig:
     eval_aligned: str | None = _opt(None, "held-out aligned directory: report bits per byte")
     eval_every: int = _opt(0, "evaluate every N steps (0: only at the end)")
     eval_max_rows: int = _opt(0, "evaluate on at most N held-out rows (0: all)")
+    eval_teacher_bits_per_byte: float | None = _opt(
+        None, "the teacher's bits per byte on --eval-aligned (`csd-pipeline bits-per-byte --side teacher0`): each "
+              "evaluation records it and warns once the student scores below it (KD then pulls the student back)")
 
     def validate(self) -> None:
         _at_least(self, 0, ("eval_every", "eval_max_rows"))
+        teacher = self.eval_teacher_bits_per_byte
+        if teacher is not None and not teacher > 0:
+            raise CsdError(f"--eval-teacher-bits-per-byte must be positive, got {teacher}; pass the teacher's held-out "
+                           "bits per byte from `csd-pipeline bits-per-byte`")
+        if teacher is not None and not self.eval_aligned:
+            raise CsdError("--eval-teacher-bits-per-byte needs --eval-aligned (the held-out directory it was measured "
+                           "on)")
 
 
 @dataclass

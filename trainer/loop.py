@@ -184,7 +184,15 @@ def _evaluate(wrapper, config: TrainConfig, ctx, data, step: int, metrics) -> No
                                 batch_size=config.data.batch_size, max_rows=config.evaluation.eval_max_rows,
                                 student_fingerprint=data.student_vocab.fingerprint,
                                 chunk_size=config.loss.loss_chunk_size or None)
+    teacher = config.evaluation.eval_teacher_bits_per_byte
+    if teacher is not None:
+        result["teacher_bits_per_byte"] = teacher
     metrics.log_eval({"step": step, **result})
+    if teacher is not None and result["bits_per_byte"] < teacher:
+        metrics.message(
+            f"warning: at step {step} the student's held-out bits per byte ({result['bits_per_byte']:.4f}) is below the "
+            f"teacher's ({teacher:.4f}): the KD term now pulls it toward a worse model; lower --kd-weight or stop here "
+            "(docs/TRAINING.md)")
 
 
 def _to_device(micro, device):

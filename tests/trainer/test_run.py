@@ -201,3 +201,24 @@ def test_teacher_bits_per_byte_reads_the_teachers_own_ids(trainer_data, referenc
     assert scored["rows"] == 6 and 0.3 < scored["bits_per_byte"] < 2.5  # a real LM on English text
     with pytest.raises(CsdError, match="teacher tokenizer 0"):
         bits_per_byte(teacher, trainer_data["eval"], side=0, seq_len=128, batch_size=2, max_rows=1, fingerprint="0" * 64)
+
+
+def test_the_teachers_score_is_recorded_and_a_student_below_it_is_warned_about(trainer_data, tmp_path, one_thread,
+                                                                                capfd):
+    """--eval-teacher-bits-per-byte: every evaluation records the teacher's figure; a student that scores
+    below it gets a warning (a teacher far above the student: every evaluation), one above it none."""
+    warning = "is below the teacher's"
+    for teacher, warned in (("1000", True), ("0.001", False)):
+        output = tmp_path / teacher
+        train(parse_args(base_args(trainer_data, output, "--eval-aligned", str(trainer_data["eval"]), "--eval-every",
+                                   "2", "--eval-teacher-bits-per-byte", teacher)))
+        evaluation = [json.loads(line) for line in open(output / "eval.jsonl", encoding="utf-8")]
+        assert [r["step"] for r in evaluation] == [2, 4, 5]
+        assert all(r["teacher_bits_per_byte"] == float(teacher) for r in evaluation)
+        err = capfd.readouterr().err
+        assert err.count(warning) == (3 if warned else 0), err
+    with pytest.raises(CsdError, match="--eval-teacher-bits-per-byte needs --eval-aligned"):
+        train(parse_args(base_args(trainer_data, tmp_path / "alone", "--eval-teacher-bits-per-byte", "1.2")))
+    with pytest.raises(CsdError, match="--eval-teacher-bits-per-byte must be positive"):
+        train(parse_args(base_args(trainer_data, tmp_path / "zero", "--eval-aligned", str(trainer_data["eval"]),
+                                   "--eval-teacher-bits-per-byte", "0")))
