@@ -102,12 +102,13 @@ class TeacherLogitsStage(Stage):
         from csd_pipeline.teacher.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
 
         config = self.config
-        keep = {} if config.min_p is None else {"min_p": config.min_p}  # recorded only when set, as keep
-        if config.keep != "top-k":  # recorded only when set: outputs of a whole top-k keep their identity
+        # --min-p and --keep are recorded only when set: earlier outputs keep their identity
+        optional = {} if config.min_p is None else {"min_p": config.min_p}
+        if config.keep != "top-k":
             from csd_pipeline.runtime.files import file_sha256
 
-            keep |= {"keep": config.keep,
-                    "tables_sha256": [file_sha256(path) for path in self.aligned.tables(config.teacher_index)]}
+            optional |= {"keep": config.keep,
+                         "tables_sha256": [file_sha256(path) for path in self.aligned.tables(config.teacher_index)]}
         return {
             "config": {
                 "top_k": config.top_k,
@@ -122,7 +123,7 @@ class TeacherLogitsStage(Stage):
                 "batch_tokens": config.batch_tokens,
                 "block_positions": config.block_positions,
                 "teacher_index": config.teacher_index,
-                **keep,
+                **optional,
             },
             "teacher": {
                 "fingerprint": self.loaded.fingerprint["sha256"],
