@@ -20,7 +20,8 @@ every chosen arm with each seed. The arms `csd kl b1 p0.99 t1.5`, `p0.90` and `p
 arm reading a mass-adaptive store (`teacher-logits --top-p`, TOP_P_STORES), `events128`, `events72` and
 `events68` a store of only the entries CSD reads (`--top-k 128` / `72` / `68 --keep csd-events`), `min0.004`,
 `min0.0035` and `min0.003` of those only the ones at least that many times as likely as the position's first (`--top-k 128
---min-p R --keep csd-events`; `k255min0.0065`: `--top-k 255 --min-p 0.0065`); each is written once per regime
+--min-p R --keep csd-events`; `k255min0.0065`: `--top-k 255 --min-p 0.0065`; `w0.75` / `w1.5`: with that
+`--kd-weight`); each is written once per regime
 when such an arm is chosen. A subset run adds its runs to quality.json, a full run replaces
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
@@ -105,6 +106,10 @@ ARMS = {
     "csd kl b1 min0.004 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
     "csd kl b1 min0.0035 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
     "csd kl b1 min0.003 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 min0.0035 t1.5 w0.75": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
+                                      "1.5", "--kd-weight", "0.75"],
+    "csd kl b1 min0.0035 t1.5 w1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
+                                     "1.5", "--kd-weight", "1.5"],
     "csd kl b1 k255min0.0065 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
                                     "1.5"],
 }
@@ -130,6 +135,8 @@ TOP_P_STORES = {"csd kl b1 p0.99 t1.5": ["--top-k", "128", "--top-p", "0.99"],
                 "csd kl b1 min0.004 t1.5": ["--top-k", "128", "--min-p", "0.004", "--keep", "csd-events"],
                 "csd kl b1 min0.0035 t1.5": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
                 "csd kl b1 min0.003 t1.5": ["--top-k", "128", "--min-p", "0.003", "--keep", "csd-events"],
+                "csd kl b1 min0.0035 t1.5 w0.75": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
+                "csd kl b1 min0.0035 t1.5 w1.5": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
                 "csd kl b1 k255min0.0065 t1.5": ["--top-k", "255", "--min-p", "0.0065", "--keep", "csd-events"]}
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
