@@ -96,6 +96,7 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
     from csd_pipeline.teacher.event_entries import event_selector
     from csd_pipeline.teacher.runner import RowTopk, TeacherRunner, kept_lengths
     from csd_pipeline.vocab.tables import load_table
+    from schemas.aligned import teacher_columns
 
     torch.set_num_threads(1)
     aligned = AlignedOutput.open(aligned_dir)
@@ -104,7 +105,7 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
                     if "python-docs-slice" in row["row_id"].rsplit(":", 2)[0]]
     rows, count = [], 0
     while count < positions:
-        rows.append(np.asarray(aligned_rows[len(rows)]["teacher0_ids"], dtype=np.int64))
+        rows.append(np.asarray(aligned_rows[len(rows)][teacher_columns(0)[0]], dtype=np.int64))
         count += len(rows[-1])
     aligned_rows = aligned_rows[:len(rows)]
     runner = TeacherRunner(load_causal_lm(str(model_path("smollm2-135m-instruct")), device="cpu"), top_k=128,
