@@ -112,6 +112,9 @@ ARMS = {
                                      "1.5", "--kd-weight", "1.5"],
     "csd kl b1 k255min0.0065 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
                                     "1.5"],
+    "csd kl b1 min0.01s32 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 min0.02s48 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 min0.02s48 t1": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
 }
 BEST_CSD = "csd kl b1 top128 t1.5"
 CONTROL = BEST_CSD + " shuffled"
@@ -137,7 +140,13 @@ TOP_P_STORES = {"csd kl b1 p0.99 t1.5": ["--top-k", "128", "--top-p", "0.99"],
                 "csd kl b1 min0.003 t1.5": ["--top-k", "128", "--min-p", "0.003", "--keep", "csd-events"],
                 "csd kl b1 min0.0035 t1.5 w0.75": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
                 "csd kl b1 min0.0035 t1.5 w1.5": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
-                "csd kl b1 k255min0.0065 t1.5": ["--top-k", "255", "--min-p", "0.0065", "--keep", "csd-events"]}
+                "csd kl b1 k255min0.0065 t1.5": ["--top-k", "255", "--min-p", "0.0065", "--keep", "csd-events"],
+                "csd kl b1 min0.01s32 t1.5": ["--top-k", "128", "--min-p", "0.01", "--tail-samples", "32", "--keep",
+                                              "csd-events"],
+                "csd kl b1 min0.02s48 t1.5": ["--top-k", "128", "--min-p", "0.02", "--tail-samples", "48", "--keep",
+                                              "csd-events"],
+                "csd kl b1 min0.02s48 t1": ["--top-k", "128", "--min-p", "0.02", "--tail-samples", "48", "--keep",
+                                            "csd-events"]}
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
                 "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]

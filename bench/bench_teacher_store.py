@@ -12,7 +12,11 @@ Parquet file) from those same values:
   into events (these depend on the student: `--student NAME`, default gpt-2; the quality benchmark's
   student is llama-spm);
 - `min0.0035`: `--top-k 128 --min-p 0.0035`, the entries at least 0.0035 times as likely as the first;
-  `events-min0.004`, `events-min0.0035`: those with `--keep csd-events`.
+  `events-min0.004`, `events-min0.0035`: those with `--keep csd-events`;
+- `events-min0.01-s32`, `events-min0.02-s48`: `--top-k 128 --min-p 0.01 --tail-samples 32 --keep csd-events`
+  (and 0.02 / 48): the kept entries plus draws from the rest of each position's distribution. The draws
+  need the whole distribution, so these run the real `TeacherRunner` again per kind (TAIL_SETTINGS; bytes
+  and entries per position only).
 
 Reported per kind and over all kinds: shard-file bytes per position, entries per position (mean,
 share of positions with 1 entry and with 128), the teacher mass the stored entries hold, and how
@@ -51,6 +55,8 @@ SETTINGS = {"top-128": (128, None, "top-k", None), "top-64": (64, None, "top-k",
             "events72": (72, None, "csd-events", None), "events68": (68, None, "csd-events", None),
             "min0.0035": (128, None, "top-k", 0.0035), "events-min0.004": (128, None, "csd-events", 0.004),
             "events-min0.0035": (128, None, "csd-events", 0.0035)}
+# name -> (--min-p, --tail-samples), each with --top-k 128 --keep csd-events: a real runner of its own per kind
+TAIL_SETTINGS = {"events-min0.01-s32": (0.01, 32), "events-min0.02-s48": (0.02, 48)}
 
 
 class _Replay:
@@ -58,6 +64,7 @@ class _Replay:
 
     def __init__(self, results: dict, device, top_k: int, top_p: float | None, min_p: float | None = None):
         self.results, self.device, self.top_k, self.top_p, self.min_p = results, device, top_k, top_p, min_p
+        self.width, self.tail_samples = top_k, 0  # no draws: those need the whole distribution (TAIL_SETTINGS)
 
     def run(self, rows):
         from csd_pipeline.teacher.runner import kept_lengths
@@ -154,7 +161,11 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
         context = EventContext(*(load_table(path) for path in aligned.tables(0)))
         loaded = load_causal_lm(str(model_path(teacher)), device="cpu")
         runner = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192)
-        totals = {name: [0, 0] for name in SETTINGS}
+        tail_runners = {name: TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192,
+                                            min_p=min_p, tail_samples=samples)
+                        for name, (min_p, samples) in TAIL_SETTINGS.items()}
+        totals = {name: [0, 0] for name in [*SETTINGS, *TAIL_SETTINGS]}
+        tail_entries = {name: 0 for name in TAIL_SETTINGS}
         all_rows, coverage_rows = [], {name: [] for name in SETTINGS}
         all_stored: dict = {name: [] for name in SETTINGS}
         began = time.perf_counter()
@@ -177,6 +188,14 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
                 coverage = _coverage(stored, top_k, rows)
                 coverage_rows[name].append((stats["positions"], coverage))
                 metrics[f"{kind}/{name}/entries_mean"] = round(coverage["entries_mean"], 2)
+            for name, tail_runner in tail_runners.items():
+                target = tmp / f"{name}-{index}.parquet"
+                stats = write_teacher_shard(tail_runner, row_ids, rows, target, block, select).stats
+                totals[name][0] += target.stat().st_size
+                totals[name][1] += stats["positions"]
+                tail_entries[name] += stats["entries"]
+                metrics[f"{kind}/{name}/bytes_per_position"] = round(target.stat().st_size / stats["positions"], 2)
+                metrics[f"{kind}/{name}/entries_mean"] = round(stats["entries"] / stats["positions"], 2)
             metrics[f"{kind}/positions"] = sum(len(r) for r in rows)
             if index == 0:  # the real runner (with --top-p; with the event selection) writes what the replay wrote
                 real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192, top_p=0.99)
@@ -193,6 +212,9 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
             for key in ("entries_mean", "one_entry_share", "at_cap_share", "stored_mass_mean", "observed_stored_share"):
                 weighted = sum(n * c[key] for n, c in coverage_rows[name]) / positions
                 metrics[f"all/{name}/{key}"] = round(weighted, 4)
+        for name in TAIL_SETTINGS:
+            metrics[f"all/{name}/bytes_per_position"] = round(totals[name][0] / totals[name][1], 2)
+            metrics[f"all/{name}/entries_mean"] = round(tail_entries[name] / totals[name][1], 2)
         metrics["teacher"] = teacher
         metrics["student"] = student
         metrics["positions"] = totals["top-128"][1]

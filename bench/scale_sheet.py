@@ -11,8 +11,9 @@ Measured here, on one CPU thread unless said:
   windows (at least 4,000 teacher positions; one float32 forward), then `encode_block` /
   `decode_block` of the same positions as one block, per setting (fixed top-128 and top-32,
   --top-p 0.99 / 0.90 with --top-k 128, and --keep csd-events of the top-128 alone and with
-  --min-p 0.0035: the entries `teacher-logits` would store for those windows): positions per
-  CPU-second each way, the payload bytes and entries per position.
+  --min-p 0.0035, and with --min-p 0.02 --tail-samples 48: the entries `teacher-logits` would store
+  for those windows; the draws need a forward of their own): positions per CPU-second each way, the
+  payload bytes and entries per position, and the CPU time the draws add to the forward.
 
 Projections (`--tokens`, default 1e9 1e10 1e11 student tokens): bytes on disk, align CPU hours,
 encode CPU hours, decode CPU hours, and the teacher forward's GPU hours for 1B / 8B / 70B teachers
@@ -42,10 +43,12 @@ TEACHERS = {"1B": 1.24e9, "8B": 8.03e9, "70B": 70.6e9}  # parameters (Llama 3.2 
 # (python bench/bench_teacher_store.py, all kinds, shard files).
 TEACHER_BYTES = {"top-128": 237.87, "top-32": 60.37, "p0.99": 185.37, "p0.90": 101.58, "events128": 168.5,
                  "events-min0.0035": 72.46}
-# name -> (--top-k, --top-p, --min-p, --keep)
-SETTINGS = {"top-128": (128, None, None, "top-k"), "top-32": (32, None, None, "top-k"),
-            "p0.99": (128, 0.99, None, "top-k"), "p0.90": (128, 0.90, None, "top-k"),
-            "events128": (128, None, None, "csd-events"), "events-min0.0035": (128, None, 0.0035, "csd-events")}
+# name -> (--top-k, --top-p, --min-p, --keep, --tail-samples)
+SETTINGS = {"top-128": (128, None, None, "top-k", 0), "top-32": (32, None, None, "top-k", 0),
+            "p0.99": (128, 0.99, None, "top-k", 0), "p0.90": (128, 0.90, None, "top-k", 0),
+            "events128": (128, None, None, "csd-events", 0),
+            "events-min0.0035": (128, None, 0.0035, "csd-events", 0),
+            "events-min0.02-s48": (128, None, 0.02, "csd-events", 48)}
 STEP = {"tokens_per_gpu": 8 * 4096, "seconds": 1.0}  # the trainer example: 8 windows of 4096 per GPU per second
 
 
@@ -108,17 +111,26 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
         rows.append(np.asarray(aligned_rows[len(rows)][teacher_columns(0)[0]], dtype=np.int64))
         count += len(rows[-1])
     aligned_rows = aligned_rows[:len(rows)]
-    runner = TeacherRunner(load_causal_lm(str(model_path("smollm2-135m-instruct")), device="cpu"), top_k=128,
-                           vocab_limit=aligned.teacher_tokenizer(0).size, batch_tokens=8192)
+    loaded = load_causal_lm(str(model_path("smollm2-135m-instruct")), device="cpu")
+    runner = TeacherRunner(loaded, top_k=128, vocab_limit=aligned.teacher_tokenizer(0).size, batch_tokens=8192)
+    began = time.process_time()
     results = runner.run(rows)
+    forward = time.process_time() - began
     select = event_selector(aligned_rows, 0, EventContext(*(load_table(path) for path in aligned.tables(0))))
     observed_ids = np.concatenate([np.append(row[1:], -1) for row in rows])
     out = {"positions": count}
-    for name, (k, top_p, min_p, keep) in SETTINGS.items():
-        chosen = []
-        for index, result in enumerate(results):
-            ids, logprobs = result.ids[:, :k], result.logprobs[:, :k]
-            row = RowTopk(ids, logprobs, result.observed, result.finite, kept_lengths(logprobs, top_p, min_p))
+    for name, (k, top_p, min_p, keep, samples) in SETTINGS.items():
+        chosen, drawn, draw_seconds = [], results, 0.0
+        if samples:  # the draws come with the forward: a runner of their own
+            tail_runner = TeacherRunner(loaded, top_k=k, vocab_limit=runner.vocab_limit, batch_tokens=8192,
+                                        top_p=top_p, min_p=min_p, tail_samples=samples)
+            tail_runner.seed(0)
+            began = time.process_time()
+            drawn = tail_runner.run(rows)
+            draw_seconds = max(time.process_time() - began - forward, 0.0) / count
+        for index, result in enumerate(drawn):
+            row = result if samples else RowTopk(result.ids[:, :k], result.logprobs[:, :k], result.observed,
+                                                 result.finite, kept_lengths(result.logprobs[:, :k], top_p, min_p))
             chosen.append(select(index, row) if keep == "csd-events" else row)
         ids, logprobs = np.concatenate([r.ids for r in chosen]), np.concatenate([r.logprobs for r in chosen])
         lengths = np.concatenate([r.lengths for r in chosen])
@@ -131,7 +143,8 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
         decode = time.process_time() - began
         out[name] = {"payload_bytes_per_position": len(payload) / count, "entries_per_position": lengths.mean(),
                      "encode_positions_per_cpu_second": count / encode,
-                     "decode_positions_per_cpu_second": count / decode}
+                     "decode_positions_per_cpu_second": count / decode,
+                     **({"draw_cpu_seconds_per_position": draw_seconds} if samples else {})}
     return out
 
 

@@ -21,6 +21,8 @@ from csd_pipeline.teacher.config import TeacherLogitsConfig
 @config_option(TeacherLogitsConfig, "top_k", "--top-k")
 @config_option(TeacherLogitsConfig, "top_p", "--top-p")
 @config_option(TeacherLogitsConfig, "min_p", "--min-p")
+@config_option(TeacherLogitsConfig, "tail_samples")
+@config_option(TeacherLogitsConfig, "sample_seed")
 @config_option(TeacherLogitsConfig, "keep")
 @config_option(TeacherLogitsConfig, "batch_tokens")
 @config_option(TeacherLogitsConfig, "device")

@@ -32,6 +32,12 @@ with `--min-p R`, the n most likely whose probabilities are at least R times the
 compared in float64, n >= 1; metadata `csd.min_p`); with both, the smaller n.
 The most likely entry is always stored (n >= 1).
 
+With `--tail-samples N` (manifest `config.tail_samples` and `config.sample_seed`, metadata
+`csd.tail_samples`; k is then the top-k plus N + 1), a position also stores the distinct ids of N draws
+from the rest of its distribution, each at log(times drawn * the rest's probability / N), an estimate,
+and the observed token at its exact value where it is more likely than the least likely stored entry
+(`csd_pipeline/teacher/tail_samples.py`). Entries stay most likely first (by stored value).
+
 With `--keep csd-events` (manifest `config.keep`, schema metadata `csd.keep` = "csd-events"; the
 layout is the same), a position stores only those of these entries that the CSD loss turns into
 events with the aligned directory's tables: at the final teacher position of an accepted chunk, the
@@ -94,13 +100,13 @@ class RowStatus(IntEnum):
 
 
 def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep: str = "top-k",
-                        min_p: float | None = None):
+                        min_p: float | None = None, tail_samples: int = 0):
     """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
     The schema metadata records the schema name and version, k, the encoding name, the `--top-p`
     mass bound (`top_p`, None for a fixed top-k), `csd.keep` = "csd-events" for a store of only the
     entries CSD reads (`--keep csd-events`; absent for a whole top-k), `csd.min_p` the `--min-p` ratio
-    (absent without it) and that the pages carry
+    (absent without it), `csd.tail_samples` the `--tail-samples` draws (absent without them) and that the pages carry
     checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
@@ -122,6 +128,7 @@ def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep:
         b"csd.top_p": b"" if top_p is None else repr(float(top_p)).encode(),
         **({} if keep == "top-k" else {b"csd.keep": keep.encode()}),
         **({} if min_p is None else {b"csd.min_p": repr(float(min_p)).encode()}),
+        **({b"csd.tail_samples": str(int(tail_samples)).encode()} if tail_samples else {}),
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)

@@ -131,6 +131,10 @@ def _open_teachers(config, aligned: AlignedOutput) -> list[TeacherSource]:
 def _check_top_k(wanted: int, output: TeacherTopkOutput) -> None:
     """`--teacher-top-k` may not ask for more entries than the teacher output stores."""
     stored = (output.manifest.get("config") or {}).get("top_k")
+    if wanted and output.tail_samples:
+        raise CsdError(f"--teacher-top-k {wanted} keeps the most likely stored entries, but {output.directory} also holds "
+                       f"--tail-samples draws at estimated values, which are no top-k; pass --teacher-top-k 0 (all), or "
+                       f"re-run `{TEACHER_RERUN}` with the --top-k you want")
     if wanted and stored is not None and wanted > int(stored):
         raise CsdError(f"--teacher-top-k {wanted} is more than the {stored} entries per position stored in "
                        f"{output.directory}; pass at most {stored} (0: all), or re-run `{TEACHER_RERUN}` with --top-k {wanted}")
@@ -142,6 +146,10 @@ def _check_keep(loss, output: TeacherTopkOutput) -> None:
         raise CsdError(f"--loss {loss.loss} compares the teacher's whole top-k, but {output.directory} keeps only the "
                        f"entries CSD turns into events (teacher-logits --keep csd-events); use a --loss csd* arm, or "
                        f"re-run `{TEACHER_RERUN}` with --keep top-k for this baseline")
+    if loss.is_baseline and output.tail_samples:
+        raise CsdError(f"--loss {loss.loss} reads stored values as the teacher's log-probabilities, but {output.directory} "
+                       f"holds --tail-samples draws at estimated values; use a --loss csd* arm, or re-run "
+                       f"`{TEACHER_RERUN}` without --tail-samples for this baseline")
 
 
 def _check_state(state: dict | None) -> dict:

@@ -116,7 +116,7 @@ def _teacher_section(folder: Folder, name: str, out: Path, stem: str, aligned_di
     manifest = folder.output.manifest
     stats, config = manifest["totals"].get("stats", {}), manifest.get("config", {})
     observed = stats.get("observed", {})
-    cuts = ", ".join(f"--{key.replace('_', '-')} {config[key]}" for key in ("top_p", "min_p") if config.get(key))
+    cuts = ", ".join(f"--{key.replace('_', '-')} {config[key]}" for key in ("top_p", "min_p", "tail_samples") if config.get(key))
     lines = [f"## Teacher top-k `{name}`", "",
              f"Folder `{folder.path}`: teacher `{manifest.get('sources', {}).get('teacher', '?')}`, top-"
              f"{config.get('top_k', '?')}{f' ({cuts})' if cuts else ''} of {stats.get('positions', 0):,} positions in "

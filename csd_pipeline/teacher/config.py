@@ -31,6 +31,11 @@ class TeacherLogitsConfig:
     min_p: float | None = option(
         None, "Relative cut: keep only the entries at least this many times as likely as the position's most likely "
               "one (e.g. 0.005), at most --top-k of them: flat positions keep many, peaked ones few.")
+    tail_samples: int = option(
+        0, "Also store this many draws from the rest of each position's distribution (outside the kept entries), "
+           "each at an estimate of its probability, so the stored entries carry the teacher's whole mass in "
+           "expectation (CSD losses only; e.g. 32).")
+    sample_seed: int = option(0, "Seed of the --tail-samples draws (with each block's first row id).")
     keep: str = option(
         "top-k", "Which of those entries to store: top-k (all of them; every loss reads them) or csd-events (only "
                  "those the CSD loss turns into events with the aligned tables: the same CSD training from about 30% "
@@ -58,6 +63,9 @@ class TeacherLogitsConfig:
         if self.min_p is not None and not 0.0 < self.min_p <= 1.0:
             raise CsdError(f"--min-p {self.min_p} is out of range; pass a ratio in (0, 1], e.g. 0.005, or leave it out "
                            "for a fixed --top-k.")
+        if not 0 <= self.tail_samples <= MAX_K - 1 - self.top_k:
+            raise CsdError(f"--tail-samples {self.tail_samples} is out of range with --top-k {self.top_k}; pass 0 (none) "
+                           f"up to {max(MAX_K - 1 - self.top_k, 0)} (--top-k + --tail-samples + 1 <= {MAX_K}).")
         if self.keep not in KEEP_CHOICES:
             raise CsdError(f"--keep {self.keep!r} is not one of {', '.join(KEEP_CHOICES)}; pass top-k (the default) or "
                            "csd-events.")

@@ -217,6 +217,11 @@ class TeacherTopkOutput:
         return None if value is None else float(value)
 
     @property
+    def tail_samples(self) -> int:
+        """The `--tail-samples` draws per position (0 without them): their stored values are estimates."""
+        return int((self.manifest.get("config") or {}).get("tail_samples") or 0)
+
+    @property
     def keep(self) -> str:
         """Which entries the positions hold: "top-k" (the whole top-k) or "csd-events" (`--keep csd-events`:
         only those the CSD loss turns into events; the baseline losses cannot read it)."""

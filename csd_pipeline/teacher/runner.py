@@ -11,6 +11,8 @@
 - With `top_p`, each position keeps only its most likely entries until their probabilities reach
   `top_p` (at most `top_k`; `mass_lengths`); with `min_p`, only the entries at least `min_p` times as
   likely as its most likely one (`relative_lengths`); with both, the fewer. `RowTopk.lengths` says how many.
+- With `tail_samples` N, each position also stores N draws from the rest of its distribution, each at
+  an estimate of its probability (`tail_samples.py`), from the generator `seed` sets (0 if never set).
 - A row with any non-finite value is marked (`finite=False`) for the stage to reject.
 - On a GPU an out-of-memory batch is split in two and retried.
 """
@@ -95,11 +97,14 @@ class TeacherRunner:
 
     vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k. top_p: keep
     only the most likely entries of each position until they hold this probability (None: all top_k);
-    min_p: keep only the entries at least this many times as likely as the position's most likely one.
+    min_p: keep only the entries at least this many times as likely as the position's most likely one;
+    tail_samples: also store this many draws from the rest of each position's distribution (sample_seed:
+    what `tail_samples.block_seed` derives each block's generator from).
     """
 
     def __init__(self, loaded, *, top_k: int, vocab_limit: int, batch_tokens: int, temperature: float = 1.0,
-                 top_p: float | None = None, min_p: float | None = None, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+                 top_p: float | None = None, min_p: float | None = None, tail_samples: int = 0,
+                 sample_seed: int = 0, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
         import torch
 
         self.loaded = loaded
@@ -115,6 +120,9 @@ class TeacherRunner:
         self.temperature = temperature
         self.top_p = top_p
         self.min_p = min_p
+        self.tail_samples = int(tail_samples)
+        self.sample_seed = int(sample_seed)
+        self._generator = None
         self.batch_tokens = batch_tokens
         self.chunk = max(1, logit_chunk_elements // self.output_size)
         self._head = None
@@ -134,6 +142,11 @@ class TeacherRunner:
             self.path = "hidden+head" if self._probe_matches() else "forward"
             if self.path == "forward":
                 self._head = None
+
+    @property
+    def width(self) -> int:
+        """Entries a position can hold: the top-k, and with tail samples the draws and the observed token."""
+        return self.top_k + (self.tail_samples + 1 if self.tail_samples else 0)
 
     # -- logits ----------------------------------------------------------------------------
 
@@ -195,7 +208,7 @@ class TeacherRunner:
             else:
                 logits_all = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
                 states = logits_all.reshape(-1, logits_all.shape[-1])[flat]
-            ids_out, lp_out, obs_out, ok_out = [], [], [], []
+            ids_out, lp_out, obs_out, ok_out, draws_out, tail_out = [], [], [], [], [], []
             for start in range(0, states.shape[0], self.chunk):
                 part = states[start:start + self.chunk]
                 logits = self._head_logits(part) if self._head is not None else part.float()
@@ -217,11 +230,22 @@ class TeacherRunner:
                 lp_out.append(logprobs.cpu())
                 obs_out.append(observed.cpu())
                 ok_out.append(ok.cpu())
+                if self.tail_samples:  # `logits` holds exp(logit - peak) now
+                    draws, log_tail = self._draw_tail(logits, indices, logprobs, nxt, torch.exp(lse - peak))
+                    draws_out.append(draws.cpu())
+                    tail_out.append(log_tail.cpu())
         ids_all = torch.cat(ids_out).numpy()
         lp_all = torch.cat(lp_out).numpy()
         obs_all = torch.cat(obs_out).numpy()
         ok_all = torch.cat(ok_out).numpy()
         kept = kept_lengths(lp_all, self.top_p, self.min_p)
+        if self.tail_samples:
+            from csd_pipeline.teacher.tail_samples import merge_tail
+
+            kept = np.full(len(lp_all), self.top_k, np.int64) if kept is None else kept
+            next_all = np.concatenate([np.append(np.asarray(r[1:], dtype=np.int64), -1) for r in rows])
+            ids_all, lp_all, kept = merge_tail(ids_all, lp_all, kept, torch.cat(draws_out).numpy(),
+                                               torch.cat(tail_out).numpy(), next_all, obs_all)
         results, offset = [], 0
         for n in lengths:
             part = slice(offset, offset + n)
@@ -229,6 +253,25 @@ class TeacherRunner:
                                    None if kept is None else kept[part]))
             offset += n
         return results
+
+    def _draw_tail(self, weights, indices, logprobs, next_ids, total):
+        """`tail_samples.draw_tail` for one chunk of positions (their kept counts from `kept_lengths`)."""
+        import torch
+
+        from csd_pipeline.teacher.tail_samples import draw_tail
+
+        kept = kept_lengths(logprobs.cpu().numpy(), self.top_p, self.min_p)
+        kept = torch.full((indices.shape[0],), self.top_k, dtype=torch.long) if kept is None else torch.from_numpy(kept)
+        if self._generator is None:
+            self.seed(0)
+        return draw_tail(weights, indices, kept.to(indices.device), next_ids, total, self.tail_samples,
+                         self._generator, self.vocab_limit)
+
+    def seed(self, seed: int) -> None:
+        """Seed the generator of the tail draws (`tail_samples.block_seed` per block of rows)."""
+        import torch
+
+        self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
 
     def _run_batch(self, rows: list[np.ndarray]) -> list[RowTopk]:
         import torch

@@ -86,10 +86,11 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
     from csd_pipeline.runtime.executor import ShardResult
     from csd_pipeline.runtime.run_record import merge_stats
     from csd_pipeline.teacher.codec import ENCODING
+    from csd_pipeline.teacher.tail_samples import block_seed
     from schemas.teacher_topk import RowStatus, teacher_topk_schema
 
-    schema = teacher_topk_schema(runner.top_k, ENCODING, runner.top_p, "top-k" if select is None else "csd-events",
-                                 runner.min_p)
+    schema = teacher_topk_schema(runner.width, ENCODING, runner.top_p, "top-k" if select is None else "csd-events",
+                                 runner.min_p, runner.tail_samples)
     stats = {"positions": 0, "entries": 0, "rejected": {"non_finite": 0},
              "observed": {"positions": 0, "in_top_k": 0}, "payload_bytes": 0}
     compression = {"row_id": "zstd", "status": "zstd", "positions": "zstd", "block": "zstd", "payload": "none"}
@@ -117,9 +118,11 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
         with pq.ParquetWriter(str(tmp_path), schema, compression=compression, use_dictionary=False,
                               write_statistics=False, store_schema=True, **PARQUET_CHECKSUMS) as writer:
             for block, (start, end) in enumerate(block_ranges([len(r) for r in rows], block_positions)):
+                if runner.tail_samples:  # the draws of a block depend on its rows only: a re-run draws the same
+                    runner.seed(block_seed(runner.sample_seed, row_ids[start]))
                 results = runner.run(rows[start:end])
                 # The entry selection runs with the encoding, off the teacher's path on a GPU.
-                job = (encode_rows, results, rows[start:end], runner.top_k, select, start)
+                job = (encode_rows, results, rows[start:end], runner.width, select, start)
                 pending.append((block, start, end, results, pool.submit(*job) if pool else job[0](*job[1:])))
                 while len(pending) > threads:  # blocks are written in order; at most `threads` in flight
                     write(*pending.popleft())
@@ -188,7 +191,8 @@ class TeacherShardWriter:
                                     trust_remote_code=config.trust_remote_code)
             self._runner = TeacherRunner(loaded, top_k=config.top_k, vocab_limit=self.vocab_size,
                                          temperature=float(config.temperature), batch_tokens=config.batch_tokens,
-                                         top_p=config.top_p, min_p=config.min_p)
+                                         top_p=config.top_p, min_p=config.min_p, tail_samples=config.tail_samples,
+                                         sample_seed=config.sample_seed)
         return self._runner
 
     def __call__(self, task, tmp_path: Path):

@@ -69,7 +69,8 @@ class TeacherLogitsStage(Stage):
         self._check_teacher(log)
         self.runner = TeacherRunner(self.loaded, top_k=config.top_k, vocab_limit=self.tokenizer.size,
                                     temperature=float(config.temperature), batch_tokens=config.batch_tokens,
-                                    top_p=config.top_p, min_p=config.min_p)
+                                    top_p=config.top_p, min_p=config.min_p, tail_samples=config.tail_samples,
+                                    sample_seed=config.sample_seed)
 
     def _check_teacher(self, log) -> None:
         """Refuse a teacher with fewer outputs than the aligned teacher tokenizer has ids, or whose own
@@ -102,8 +103,10 @@ class TeacherLogitsStage(Stage):
         from csd_pipeline.teacher.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
 
         config = self.config
-        # --min-p and --keep are recorded only when set: earlier outputs keep their identity
+        # --min-p, --tail-samples and --keep are recorded only when set: earlier outputs keep their identity
         optional = {} if config.min_p is None else {"min_p": config.min_p}
+        if config.tail_samples:
+            optional |= {"tail_samples": config.tail_samples, "sample_seed": config.sample_seed}
         if config.keep != "top-k":
             from csd_pipeline.runtime.files import file_sha256
 

@@ -385,6 +385,72 @@ def test_min_p_out_of_range_is_refused(aligned, tiny_teacher, tmp_path):
             run_stage(aligned, tiny_teacher, tmp_path / "bad", min_p=value)
 
 
+TAIL_SAMPLES = 16
+
+
+def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, tiny_teacher, tmp_path):
+    """--tail-samples N (with --min-p): each position holds its kept entries at their float64 values, and
+    distinct ids from outside them (never the observed token, unless at its exact value) at log(c * m / N),
+    m the float64 mass of the rest and the counts c summing to N; the observed values stay exact; k is the
+    top-k + N + 1; a re-run writes the same bytes, another --sample-seed other draws; baselines refuse it."""
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from trainer.config import LossConfig
+    from trainer.data import _check_keep, _check_top_k
+
+    out = tmp_path / "tail"
+    assert run_stage(aligned, tiny_teacher, out, min_p=MIN_P, tail_samples=TAIL_SAMPLES).complete
+    output = TeacherTopkOutput.open(out)
+    assert output.tail_samples == TAIL_SAMPLES and output.manifest["config"]["sample_seed"] == 0
+    metadata = pq.read_schema(out / output.shard_files[0]).metadata
+    assert metadata[b"csd.tail_samples"] == b"16" and metadata[b"csd.k"] == str(K + TAIL_SAMPLES + 1).encode()
+    forced = drawn_total = 0
+    for row, (_, _, ids) in zip(output.rows(), aligned_rows(aligned)):
+        real = float64_reference(tiny_teacher, ids)[:, :VOCAB]
+        top = np.argsort(-real, axis=1)[:, :K]
+        for t in range(len(ids)):
+            entries, values = row.entries(t)
+            n_top = int(np.count_nonzero(real[t, top[t]] >= real[t, top[t, 0]] + np.log(MIN_P)))
+            kept = top[t, :n_top]
+            if np.abs(real[t, top[t]] - real[t, top[t, 0]] - np.log(MIN_P)).min() < 1e-4:
+                continue  # float32 vs float64 may decide the cut either way
+            is_kept = np.isin(entries, kept)
+            assert is_kept.sum() == n_top and np.all(np.abs(values[is_kept] - real[t, entries[is_kept]]) <= TOLERANCE)
+            assert len(set(entries.tolist())) == len(entries)
+            observed = ids[t + 1] if t + 1 < len(ids) else -1
+            is_observed = (entries == observed) & ~is_kept
+            if is_observed.any():  # stored only at its exact value, above the least likely entry
+                forced += 1
+                assert abs(values[is_observed][0] - real[t, observed]) <= TOLERANCE
+            drawn = ~is_kept & ~is_observed
+            rest = np.ones(VOCAB, dtype=bool)
+            rest[kept] = False
+            if observed >= 0:
+                rest[observed] = False
+            mass = np.exp(real[t, rest]).sum()
+            counts = np.exp(values[drawn] - np.log(mass / TAIL_SAMPLES))
+            assert np.all(np.abs(counts - np.rint(counts)) <= TOLERANCE * counts + 1e-3), counts
+            assert int(np.rint(counts).sum()) == TAIL_SAMPLES
+            drawn_total += int(drawn.sum())
+        assert np.all(np.abs(row.observed_logprob[:-1] - real[np.arange(len(ids) - 1), ids[1:]]) <= TOLERANCE)
+    assert forced > 0 and drawn_total > 0
+    again, other = tmp_path / "again", tmp_path / "other-seed"
+    assert run_stage(aligned, tiny_teacher, again, min_p=MIN_P, tail_samples=TAIL_SAMPLES).complete
+    assert output_bytes(again) == output_bytes(out)
+    assert run_stage(aligned, tiny_teacher, other, min_p=MIN_P, tail_samples=TAIL_SAMPLES, sample_seed=1).complete
+    assert output_bytes(other) != output_bytes(out)
+    with pytest.raises(CsdError, match="--tail-samples"):
+        _check_keep(LossConfig(loss="gold"), output)
+    _check_keep(LossConfig(loss="csd"), output)
+    with pytest.raises(CsdError, match="--tail-samples"):
+        _check_top_k(4, output)
+    _check_top_k(0, output)
+    with pytest.raises(CsdError, match="--tail-samples"):
+        run_stage(aligned, tiny_teacher, tmp_path / "bad", top_k=250, tail_samples=8)
+
+
 def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_output, tables_for, tmp_path):
     """--keep csd-events: fewer entries than the whole top-8, recorded in the manifest and the schema; the
     CSD events of every row (both spelling modes) equal those of the whole top-8; the baselines refuse it."""

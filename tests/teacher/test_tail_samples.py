@@ -1,0 +1,114 @@
+"""`teacher-logits --tail-samples`: the draws from the rest of a distribution, against float64 brute force.
+
+The stage's end-to-end test (the tiny teacher, its float64 reference forward) is in test_stage.py; here
+the two steps on logits whose probabilities are known exactly: the estimates are unbiased for every
+id of the tail, nothing kept, observed or padded is ever drawn, and a block encodes and decodes with
+every observed value exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from csd_pipeline.teacher.codec import MAX_ABS_ERROR, decode_block, encode_block
+from csd_pipeline.teacher.tail_samples import block_seed, draw_tail, merge_tail
+
+VOCAB, OUTPUTS, K, DRAWS = 40, 44, 6, 8  # 4 padded output rows beyond the tokenizer's 40 ids
+
+
+def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: int):
+    """draw_tail + merge_tail as the runner calls them, on float32 logits [P, OUTPUTS]."""
+    import torch
+
+    logits = torch.from_numpy(logits64.astype(np.float32))
+    values, indices = torch.topk(logits[:, :VOCAB], K, dim=-1)
+    peak = logits.amax(dim=-1)
+    weights = (logits - peak[:, None]).exp()
+    total = weights.sum(dim=-1)
+    lse = peak + torch.log(total)
+    nxt = torch.from_numpy(next_ids)
+    draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept), nxt, total, DRAWS,
+                                torch.Generator().manual_seed(seed), VOCAB)
+    observed = (logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse).numpy()
+    observed[next_ids < 0] = np.nan
+    ids, logprobs, lengths = merge_tail(indices.numpy(), (values - lse[:, None]).numpy(), kept, draws.numpy(),
+                                        log_tail.numpy(), next_ids, observed)
+    return ids, logprobs, lengths, observed
+
+
+def reference(logits64: np.ndarray) -> np.ndarray:
+    shifted = logits64 - logits64.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def positions():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(5, OUTPUTS)) * 2.0
+    logits[:, VOCAB:] += 1.0  # padded rows hold real mass: in the normaliser, never drawn
+    logits[4, 3] = 30.0  # a peaked position: its tail holds ~1e-12
+    kept = np.array([1, 3, K, 2, 1])
+    top = np.argsort(-logits[:, :VOCAB], axis=1)
+    next_ids = np.array([top[0, 1], top[1, 0], -1, top[3, 20], top[4, 9]])  # 2nd (kept: 1st), kept, none, deep, peaked
+    return logits, kept, next_ids
+
+
+def test_estimates_are_unbiased_for_every_tail_id(positions):
+    """Over 3,000 seeds, the mean stored probability of every tail id is its float64 probability (within
+    5 standard errors); kept entries hold their own values, and the kept, observed and padded ids are never
+    drawn; the drawn counts of a position sum to the number of draws."""
+    logits, kept, next_ids = positions
+    exact = np.exp(reference(logits))
+    order = np.argsort(-logits[:, :VOCAB], axis=1)
+    runs = 3000
+    total = np.zeros((len(logits), OUTPUTS))
+    for seed in range(runs):
+        ids, logprobs, lengths, _ = sample(logits, kept, next_ids, seed)
+        for t in range(len(logits)):
+            n = int(lengths[t])
+            top = order[t, :kept[t]]
+            is_top = np.isin(ids[t, :n], top)
+            assert is_top.sum() == kept[t]
+            assert np.all(np.abs(logprobs[t, :n][is_top] - np.log(exact[t, ids[t, :n][is_top]])) < 1e-5)
+            assert np.all(ids[t, :n] < VOCAB) and len(set(ids[t, :n].tolist())) == n
+            drawn = ~np.isin(ids[t, :n], top) & (ids[t, :n] != next_ids[t])
+            np.add.at(total[t], ids[t, :n][drawn], np.exp(logprobs[t, :n][drawn].astype(np.float64)))
+    for t in range(len(logits)):
+        tail = np.ones(OUTPUTS, dtype=bool)
+        tail[order[t, :kept[t]]] = False
+        tail[VOCAB:] = False
+        if next_ids[t] >= 0:
+            tail[next_ids[t]] = False
+        mass = exact[t, tail].sum()
+        mean = total[t] / runs
+        assert np.all(mean[~tail] == 0)  # kept, observed and padded ids: never drawn
+        p = exact[t, tail]
+        standard_error = np.sqrt(mass * p * (1 - p / mass) / DRAWS / runs)
+        assert np.all(np.abs(mean[tail] - p) <= 5 * standard_error + 1e-9 * mass), (t, np.abs(mean[tail] - p).max())
+
+
+def test_a_block_with_draws_decodes_every_observed_value_exactly(positions):
+    """The observed token is stored as an entry where its value lies above the least likely stored one, so the
+    decoded observed values are within the grid's error everywhere (without that rule a drawn estimate below it
+    would clamp the observed gap); entries decode to their stored values, most likely first."""
+    logits, kept, next_ids = positions
+    top = np.argsort(-logits[:, :VOCAB], axis=1)
+    forced = 0
+    for seed in range(50):
+        ids, logprobs, lengths, observed = sample(logits, kept, next_ids, seed)
+        decoded = decode_block(encode_block(ids, logprobs, next_ids, np.nan_to_num(observed), lengths), next_ids >= 0)
+        for t in range(len(logits)):
+            n = int(lengths[t])
+            np.testing.assert_array_equal(np.sort(decoded.ids[t, :n]), np.sort(ids[t, :n]))
+            assert np.all(np.abs(np.sort(decoded.logprobs[t, :n]) - np.sort(logprobs[t, :n])) <= MAX_ABS_ERROR + 1e-6)
+            if next_ids[t] >= 0:
+                assert abs(decoded.observed[t] - observed[t]) <= MAX_ABS_ERROR + 1e-6, (seed, t)
+            forced += bool(next_ids[t] >= 0 and next_ids[t] in ids[t, :n] and next_ids[t] not in top[t, :kept[t]])
+    assert forced > 0  # the rule was needed on some seed
+
+
+def test_block_seeds_differ_by_seed_and_row():
+    assert block_seed(0, "a") == block_seed(0, "a")
+    assert len({block_seed(0, "a"), block_seed(1, "a"), block_seed(0, "b")}) == 3
+    assert 0 <= block_seed(123, "row") < 1 << 63
