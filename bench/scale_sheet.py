@@ -42,7 +42,7 @@ TEACHERS = {"1B": 1.24e9, "8B": 8.03e9, "70B": 70.6e9}  # parameters (Llama 3.2 
 # Bytes per teacher position of the store, SmolLM2-135M-Instruct on bench/corpus/kinds.jsonl
 # (python bench/bench_teacher_store.py, all kinds, shard files).
 TEACHER_BYTES = {"top-128": 237.87, "top-32": 60.37, "p0.99": 185.37, "p0.90": 101.58, "events128": 168.5,
-                 "events-min0.0035": 72.46}
+                 "events-min0.0035": 72.46, "events-min0.02-s48": 72.96}
 # name -> (--top-k, --top-p, --min-p, --keep, --tail-samples)
 SETTINGS = {"top-128": (128, None, None, "top-k", 0), "top-32": (32, None, None, "top-k", 0),
             "p0.99": (128, 0.99, None, "top-k", 0), "p0.90": (128, 0.90, None, "top-k", 0),

@@ -11,7 +11,9 @@ teacher's whole mass in expectation (the importance-sampled KD of sparse logit s
   are in the normaliser but never drawn);
 - N ids are drawn with replacement, each with probability p_i / m; an id drawn c times is stored once
   with the value log(c * m / N). For every id i of the tail, E[c * m / N] = p_i: an event's mass
-  (a sum of entries) is unbiased, and so is REST (1 minus the events);
+  (a sum of entries) is unbiased, and so is REST (1 minus the events). The loss's teacher temperature
+  (P^(1/T), renormalised) then acts on the estimates, so a tempered target is not unbiased; measured,
+  T = 1.5 still trains better than T = 1 on such a store (docs/SCALE.md);
 - where the observed token is not among the stored entries but is more likely than the least likely of
   them, it is stored too, at its exact value: the encoding codes an observed value outside the entries
   as a gap below the position's last stored value (`codec.encode_block`), which must not be negative.
