@@ -243,9 +243,8 @@ class TeacherRunner:
             from csd_pipeline.teacher.tail_samples import merge_tail
 
             kept = np.full(len(lp_all), self.top_k, np.int64) if kept is None else kept
-            next_all = np.concatenate([np.append(np.asarray(r[1:], dtype=np.int64), -1) for r in rows])
             ids_all, lp_all, kept = merge_tail(ids_all, lp_all, kept, torch.cat(draws_out).numpy(),
-                                               torch.cat(tail_out).numpy(), next_all, obs_all)
+                                               torch.cat(tail_out).numpy(), next_ids.cpu().numpy(), obs_all)
         results, offset = [], 0
         for n in lengths:
             part = slice(offset, offset + n)
