@@ -23,7 +23,7 @@ arm reading a mass-adaptive store (`teacher-logits --top-p`, TOP_P_STORES), `eve
 --min-p R --keep csd-events`; `k255min0.0065`: `--top-k 255 --min-p 0.0065`; `w0.75` / `w1.5`: with that
 `--kd-weight`), `min0.02s48` and `min0.01s32` those with `--min-p 0.02 --tail-samples 48` / `--min-p 0.01
 --tail-samples 32` (draws from the rest of each position's distribution; `min0.02` the same cut without
-draws, `t1` at temperature 1); each is written once per regime
+draws, `t1` at temperature 1; `min0.05s64`: `--min-p 0.05 --tail-samples 64`); each is written once per regime
 when such an arm is chosen. A subset run adds its runs to quality.json, a full run replaces
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
@@ -118,6 +118,7 @@ ARMS = {
     "csd kl b1 min0.02s48 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
     "csd kl b1 min0.02s48 t1": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
     "csd kl b1 min0.02 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
+    "csd kl b1 min0.05s64 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
 }
 BEST_CSD = "csd kl b1 top128 t1.5"
 CONTROL = BEST_CSD + " shuffled"
@@ -150,7 +151,9 @@ TOP_P_STORES = {"csd kl b1 p0.99 t1.5": ["--top-k", "128", "--top-p", "0.99"],
                                               "csd-events"],
                 "csd kl b1 min0.02s48 t1": ["--top-k", "128", "--min-p", "0.02", "--tail-samples", "48", "--keep",
                                             "csd-events"],
-                "csd kl b1 min0.02 t1.5": ["--top-k", "128", "--min-p", "0.02", "--keep", "csd-events"]}
+                "csd kl b1 min0.02 t1.5": ["--top-k", "128", "--min-p", "0.02", "--keep", "csd-events"],
+                "csd kl b1 min0.05s64 t1.5": ["--top-k", "128", "--min-p", "0.05", "--tail-samples", "64", "--keep",
+                                              "csd-events"]}
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
 DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
                 "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
