@@ -208,7 +208,7 @@ class TeacherRunner:
             else:
                 logits_all = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
                 states = logits_all.reshape(-1, logits_all.shape[-1])[flat]
-            ids_out, lp_out, obs_out, ok_out, draws_out, tail_out = [], [], [], [], [], []
+            ids_out, lp_out, obs_out, ok_out, draws_out, tail_out, kept_out = [], [], [], [], [], [], []
             for start in range(0, states.shape[0], self.chunk):
                 part = states[start:start + self.chunk]
                 logits = self._head_logits(part) if self._head is not None else part.float()
@@ -231,18 +231,20 @@ class TeacherRunner:
                 obs_out.append(observed.cpu())
                 ok_out.append(ok.cpu())
                 if self.tail_samples:  # `logits` holds exp(logit - peak) now
-                    draws, log_tail = self._draw_tail(logits, indices, logprobs, nxt, torch.exp(lse - peak))
+                    draws, log_tail, kept = self._draw_tail(logits, indices, logprobs, nxt, torch.exp(lse - peak))
                     draws_out.append(draws.cpu())
                     tail_out.append(log_tail.cpu())
+                    kept_out.append(kept)
         ids_all = torch.cat(ids_out).numpy()
         lp_all = torch.cat(lp_out).numpy()
         obs_all = torch.cat(obs_out).numpy()
         ok_all = torch.cat(ok_out).numpy()
-        kept = kept_lengths(lp_all, self.top_p, self.min_p)
-        if self.tail_samples:
+        if not self.tail_samples:
+            kept = kept_lengths(lp_all, self.top_p, self.min_p)
+        else:  # the kept counts the draws were made around, chunk by chunk
             from csd_pipeline.teacher.tail_samples import merge_tail
 
-            kept = np.full(len(lp_all), self.top_k, np.int64) if kept is None else kept
+            kept = np.concatenate(kept_out)
             ids_all, lp_all, kept = merge_tail(ids_all, lp_all, kept, torch.cat(draws_out).numpy(),
                                                torch.cat(tail_out).numpy(), next_ids.cpu().numpy(), obs_all)
         results, offset = [], 0
@@ -254,17 +256,19 @@ class TeacherRunner:
         return results
 
     def _draw_tail(self, weights, indices, logprobs, next_ids, total):
-        """`tail_samples.draw_tail` for one chunk of positions (their kept counts from `kept_lengths`)."""
+        """`tail_samples.draw_tail` for one chunk of positions, around their kept counts (`kept_lengths`; all
+        top_k without a cut). Returns (draws, log_tail, kept int64 numpy [P])."""
         import torch
 
         from csd_pipeline.teacher.tail_samples import draw_tail
 
         kept = kept_lengths(logprobs.cpu().numpy(), self.top_p, self.min_p)
-        kept = torch.full((indices.shape[0],), self.top_k, dtype=torch.long) if kept is None else torch.from_numpy(kept)
+        kept = np.full(indices.shape[0], self.top_k, np.int64) if kept is None else kept
         if self._generator is None:
             self.seed(0)
-        return draw_tail(weights, indices, kept.to(indices.device), next_ids, total, self.tail_samples,
-                         self._generator, self.vocab_limit)
+        draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept).to(indices.device), next_ids, total,
+                                    self.tail_samples, self._generator, self.vocab_limit)
+        return draws, log_tail, kept
 
     def seed(self, seed: int) -> None:
         """Seed the generator of the tail draws (`tail_samples.block_seed` per block of rows)."""
