@@ -149,7 +149,8 @@ class LossConfig:
                            trajectory=True, choices=KD_COMBINES)
     teacher_temperature: float = _opt(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
                                            "P^(1/T), renormalised (1: the paper's)", trajectory=True)
-    spelling: str = _opt(DEFAULT_SPELLING, "tokens with equal bytes: sum their probabilities or exclude them",
+    spelling: str = _opt(DEFAULT_SPELLING, "tokens with equal bytes: sum their probabilities or exclude them; prefix: sum, and in 1:1 "
+                         "chunks count each token toward the longest common spelling that begins it",
                          trajectory=True, choices=SPELLING_MODES)
     teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
                                  "(0: all); compares top-k sizes without re-running the teacher", trajectory=True)

@@ -5,7 +5,9 @@ table keyed by the observed teacher prefix bytes; M:1 the mirror image with the 
 table; M:N only the observed sequence. The observed pair is always an event. With a teacher top-k
 only candidates in the stored top-k (plus the observed token) are explicit. Ids sharing a spelling
 are summed into one event (`spelling="sum"`) or sent to REST (`spelling="exclude"`, the observed
-event then keeps only the observed ids). `EventBuilder` accumulates the events of one row's chunks.
+event then keeps only the observed ids). `spelling="prefix"` sums them and, in 1:1 chunks, counts every
+token on both sides toward the longest common spelling that begins it (`EventContext.common_prefix`).
+`EventBuilder` accumulates the events of one row's chunks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class EventBuilder:
     def __init__(self, context: EventContext, spelling: str, where: str):
         self.ctx = context
         self.exclude = spelling == "exclude"
+        self.prefix = spelling == "prefix"
         self.where = where
         self.chain_pos: list[int] = []
         self.chain_tok: list[int] = []
@@ -86,6 +89,9 @@ class EventBuilder:
         ctx = self.ctx
         tsp = ctx.teacher_spelling
         obs_spelling = tsp[v_obs]
+        if self.prefix and shape == SHAPE_1_1:
+            self._prefix_topk_events(chunk, pos, cand_ids, cand_lp, obs_lp, chain, u_obs, v_obs)
+            return
         groups: dict[bytes, list[float]] = {}
         seen_obs = False
         n_teacher = len(tsp)
@@ -120,6 +126,32 @@ class EventBuilder:
             self.add_event(chunk, pos, s_ids, chain + _logsumexp(lps))
         if not found_obs:
             raise self._observed_error(chunk)
+
+    def _prefix_topk_events(self, chunk, pos, cand_ids, cand_lp, obs_lp, chain, u_obs, v_obs):
+        """1:1 chunk, "prefix" rule: each candidate counts toward the longest common spelling that begins it; the
+        student side gathers every id whose longest common prefix that spelling is."""
+        ctx = self.ctx
+        tsp = ctx.teacher_spelling
+        obs_spelling = tsp[v_obs]
+        groups: dict[bytes, list[float]] = {obs_spelling: []}
+        seen_obs = False
+        for v, lp in zip(cand_ids.tolist(), cand_lp.tolist()):
+            if v == v_obs:
+                seen_obs = True
+                lp = lp if isfinite(lp) else obs_lp
+            elif not isfinite(lp):
+                continue
+            y = tsp[v] if 0 <= v < len(tsp) else None
+            head = None if y is None else ctx.common_prefix(y)
+            if head is not None:
+                groups.setdefault(head, []).append(lp)
+        if not seen_obs:
+            groups[obs_spelling].append(obs_lp)
+        members = ctx.prefix_members()
+        if ctx.common_prefix(obs_spelling) != obs_spelling or u_obs not in members.get(obs_spelling, ()):
+            raise self._observed_error(chunk)
+        for head, lps in groups.items():
+            self.add_event(chunk, pos, members[head], chain + _logsumexp(lps))
 
     def add_dense_events(self, chunk, shape, pos, teacher_row, chain, s_prefix, t_prefix, u_obs, v_obs):
         """Events of `chunk` from dense teacher log-probs (`teacher_row` [V]) at its final teacher position."""
@@ -156,7 +188,7 @@ class EventBuilder:
 
     def _dense_common_events(self, chunk, pos, teacher_row, chain, u_obs, v_obs):
         """1:1 chunk with a dense teacher: every common spelling is an event (vectorised)."""
-        spellings, s_ids, s_cls, t_ids, t_cls = self.ctx.common_dense()
+        spellings, s_ids, s_cls, t_ids, t_cls = self.ctx.prefix_dense() if self.prefix else self.ctx.common_dense()
         n_cls = len(spellings)
         obs = self.ctx.teacher_spelling[v_obs]
         hit = np.flatnonzero(t_ids == v_obs)

@@ -56,6 +56,9 @@ class EventContext:
             for i in ids:
                 self.teacher_spelling[i] = spelling
         self._common_dense = None
+        self._prefix_dense = None
+        self._prefix_members = None
+        self._common_prefix: dict[bytes, bytes | None] = {}
         self._teacher_common = None
         self._prefix_cache: dict[tuple[str, bytes], list] = {}
         self._student_special = s2t.source.is_special & ~s2t.source.untrusted
@@ -110,6 +113,58 @@ class EventContext:
             cat = np.concatenate
             self._common_dense = (spellings, cat(s_ids), cat(s_cls), cat(t_ids), cat(t_cls))
         return self._common_dense
+
+    def common_prefix(self, spelling: bytes) -> bytes | None:
+        """The longest common spelling (a student and a teacher spelling) that `spelling` begins with, itself
+        included; None when no common spelling begins it.
+
+        The "prefix" spelling mode's rule for 1:1 chunks. A teacher token that the student has no token for,
+        say `" Benutzerkonto"`, is spelled by the student starting with a shorter token, `" Ben"`: the text
+        event "the next teacher token is ` Ben`" excludes that word, "the next student token is ` Ben`"
+        includes it. Counting every token on both sides toward the longest common spelling that begins it
+        makes the two events the same text ("the text continues with ` Ben`, and with no longer common
+        spelling"), however much longer the tokens of one vocabulary are than the other's.
+        """
+        found = self._common_prefix.get(spelling, False)
+        if found is False:
+            found = None
+            for end in range(len(spelling), 0, -1):
+                head = spelling[:end]
+                if head in self.student_classes and head in self.teacher_classes:
+                    found = head
+                    break
+            self._common_prefix[spelling] = found
+        return found
+
+    def prefix_members(self) -> dict[bytes, tuple[int, ...]]:
+        """Common spelling -> the student ids whose longest common prefix it is (`common_prefix`), its class first."""
+        if self._prefix_members is None:
+            members: dict[bytes, list[int]] = {}
+            for spelling, ids in self.student_classes.items():
+                head = self.common_prefix(spelling)
+                if head is not None:
+                    members.setdefault(head, []).extend(ids)
+            self._prefix_members = {head: tuple(ids) for head, ids in members.items()}
+        return self._prefix_members
+
+    def prefix_dense(self):
+        """`common_dense`'s arrays under the "prefix" rule: each common spelling with every student and teacher id
+        whose longest common prefix it is (dense teachers only)."""
+        if self._prefix_dense is None:
+            spellings = self.s2t.common_spellings()
+            index = {spelling: k for k, spelling in enumerate(spellings)}
+            members = self.prefix_members()
+            s_ids, s_cls, t_ids, t_cls = [], [], [], []
+            for k, spelling in enumerate(spellings):
+                s_ids += members[spelling]
+                s_cls += [k] * len(members[spelling])
+            for spelling, ids in self.teacher_classes.items():
+                head = self.common_prefix(spelling)
+                if head is not None:
+                    t_ids += ids
+                    t_cls += [index[head]] * len(ids)
+            self._prefix_dense = (spellings, *(np.asarray(a, dtype=np.int64) for a in (s_ids, s_cls, t_ids, t_cls)))
+        return self._prefix_dense
 
     def prefix_support(self, direction: str, prefix: bytes) -> list:
         """The `direction` ("s2t" or "t2s") table's prefix-support entries (a, b) with a == prefix + b (cached)."""

@@ -35,8 +35,10 @@ def chunk_shape(student_tokens: int, teacher_tokens: int) -> int:
         return SHAPE_1_1 if teacher_tokens == 1 else SHAPE_1_N
     return SHAPE_M_1 if teacher_tokens == 1 else SHAPE_M_N
 
-# How token ids that share a spelling enter the events: summed into one event, or sent to REST.
-SPELLING_MODES = ("sum", "exclude")
+# How token ids that share a spelling enter the events: summed into one event, or sent to REST; "prefix" sums
+# them and, in 1:1 chunks, also counts every token that is no common spelling toward the longest common spelling
+# that begins it (`EventContext.common_prefix`), on both sides.
+SPELLING_MODES = ("sum", "exclude", "prefix")
 DEFAULT_SPELLING = "sum"
 
 _INDEX_FIELDS = ("chain_pos", "chain_tok", "chain_chunk", "final_pos", "final_tok", "final_event", "event_chunk",
