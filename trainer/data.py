@@ -146,6 +146,10 @@ def _check_keep(loss, output: TeacherTopkOutput) -> None:
         raise CsdError(f"--loss {loss.loss} compares the teacher's whole top-k, but {output.directory} keeps only the "
                        f"entries CSD turns into events (teacher-logits --keep csd-events); use a --loss csd* arm, or "
                        f"re-run `{TEACHER_RERUN}` with --keep top-k for this baseline")
+    if loss.spelling == "prefix" and output.keep == "csd-events":
+        raise CsdError(f"--spelling prefix also reads teacher entries that extend a common spelling, but {output.directory} "
+                       f"keeps only the entries of the sum rule (teacher-logits --keep csd-events); use --spelling sum, "
+                       f"or re-run `{TEACHER_RERUN}` with --keep top-k")
     if loss.is_baseline and output.tail_samples:
         raise CsdError(f"--loss {loss.loss} reads stored values as the teacher's log-probabilities, but {output.directory} "
                        f"holds --tail-samples draws at estimated values; use a --loss csd* arm, or re-run "

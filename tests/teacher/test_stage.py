@@ -493,6 +493,9 @@ def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_
         _check_keep(LossConfig(loss="uld"), events)
     _check_keep(LossConfig(loss="csd"), events)
     _check_keep(LossConfig(loss="uld"), whole)
+    with pytest.raises(CsdError, match="--spelling prefix"):  # it reads entries the store left out
+        _check_keep(LossConfig(loss="csd", spelling="prefix"), events)
+    _check_keep(LossConfig(loss="csd", spelling="prefix"), whole)
 
 
 def test_version_1_output_is_still_read():
