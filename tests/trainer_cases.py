@@ -16,8 +16,10 @@ STUDENT_CONFIG = {
 }
 
 
-def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1) -> Path:
-    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`."""
+def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1,
+          shard_bytes: int = 2000) -> Path:
+    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`, shards of
+    about `shard_bytes` of text."""
     from csd_pipeline.align.stage import AlignConfig, run_align
     from csd_pipeline.fixtures.names import tokenizer_path
     from tests.csd_cases import bundle, cached_table_file
@@ -27,7 +29,7 @@ def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teach
     run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
                           teacher_tokenizers=["smollm2"] * teachers, output=str(output),
                           max_student_tokens=max_student_tokens, tables=[tables] * teachers,
-                          split_on_blank_lines=True, shard_bytes=2000))
+                          split_on_blank_lines=True, shard_bytes=shard_bytes))
     return output
 
 
