@@ -42,6 +42,15 @@ def test_the_stream_is_the_same_for_any_workers_and_resumes_exactly(trainer_data
         assert all(_same(a, b) for a, b in zip(reference[stop + 1:], resumed, strict=True))
 
 
+def test_each_of_two_ranks_resumes_exactly(trainer_data, tmp_path):
+    data = _data(trainer_data, tmp_path, "--workers", "0")
+    for rank in (0, 1):
+        reference = _take(data.loader(rank, 2, None), 16)  # 13 rows per rank: past its first epoch
+        assert reference[-1].state["epoch"] >= 1
+        resumed = _take(data.loader(rank, 2, reference[4].state), 11)
+        assert all(_same(a, b) for a, b in zip(reference[5:], resumed, strict=True))
+
+
 def test_each_epoch_of_a_lane_ends_with_its_own_micro_batch(trainer_data, tmp_path):
     data = _data(trainer_data, tmp_path, "--workers", "0")
     windows = {}
