@@ -4,7 +4,10 @@ conftest.py calls `make_trainer_data` once per session."""
 
 from __future__ import annotations
 
+import io
 import json
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
@@ -16,8 +19,10 @@ STUDENT_CONFIG = {
 }
 
 
-def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1) -> Path:
-    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`."""
+def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1,
+          shard_bytes: int = 2000) -> Path:
+    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`, shards of
+    about `shard_bytes` of text."""
     from csd_pipeline.align.stage import AlignConfig, run_align
     from csd_pipeline.fixtures.names import tokenizer_path
     from tests.csd_cases import bundle, cached_table_file
@@ -27,7 +32,7 @@ def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teach
     run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
                           teacher_tokenizers=["smollm2"] * teachers, output=str(output),
                           max_student_tokens=max_student_tokens, tables=[tables] * teachers,
-                          split_on_blank_lines=True, shard_bytes=2000))
+                          split_on_blank_lines=True, shard_bytes=shard_bytes))
     return output
 
 
@@ -97,3 +102,84 @@ def direct_first_batch_loss(config, **loss_options):
     if loss.is_baseline:
         return baseline_loss(loss.loss, **common, **loss.baseline_options(), **loss_options), batch
     return csd_loss(**common, beta=loss.beta, **loss_options), batch
+
+
+def make_read_store(root: Path, chars: int = 24000, shard_bytes: int = 1000, top_k: int = 8) -> dict:
+    """{"aligned", "topk"}: the first `chars` characters of the python-docs slice (paragraphs) aligned into
+    shards of about `shard_bytes` of text, and their teacher top-k from a tiny random teacher (smollm2
+    tokenizer), in blocks of 64 positions (one Parquet row group each). For counting the bytes a loader reads."""
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
+    from tests.teacher.test_stage import make_tiny_teacher
+
+    corpus = root / "docs.txt"
+    corpus.write_text((DATA / "python-docs-slice.txt").read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    aligned = align([corpus], root / "aligned", shard_bytes=shard_bytes)
+    teacher = make_tiny_teacher(root / "tiny-teacher", tokenizer_path("smollm2"))
+    run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher=str(teacher), output=str(root / "topk"),
+                                           top_k=top_k, device="cpu", block_positions=64, batch_tokens=512))
+    return {"aligned": aligned, "topk": root / "topk"}
+
+
+@contextmanager
+def counted_file_reads():
+    """Within it, a Counter of the bytes read from each file path by `Path.read_bytes` (the aligned
+    shards) and by `pq.ParquetFile` opened on a path (the teacher top-k shards): real reads, counted."""
+    import pyarrow.parquet as pq
+
+    counts: Counter = Counter()
+    read_bytes, parquet_file = Path.read_bytes, pq.ParquetFile
+
+    class CountingFile(io.FileIO):
+        def read(self, size=-1):
+            data = super().read(size)
+            counts[str(self.name)] += len(data)
+            return data
+
+        def readinto(self, buffer):
+            count = super().readinto(buffer)
+            counts[str(self.name)] += count or 0
+            return count
+
+    def counted_read_bytes(self):
+        data = read_bytes(self)
+        counts[str(self)] += len(data)
+        return data
+
+    def counted_parquet_file(source, *args, **kwargs):
+        return parquet_file(CountingFile(str(source)) if isinstance(source, (str, Path)) else source, *args, **kwargs)
+
+    Path.read_bytes, pq.ParquetFile = counted_read_bytes, counted_parquet_file
+    try:
+        yield counts
+    finally:
+        Path.read_bytes, pq.ParquetFile = read_bytes, parquet_file
+
+
+def lane_epoch_reads(data, rank: int, world: int, counts: Counter) -> list[tuple[Counter, int]]:
+    """(bytes read from each shard index, aligned and teacher together; windows trained) of each lane of
+    `rank` of `world` over epoch 0, each lane alone in its own worker stream (`stream_batches(spec, lane,
+    lanes)`), through the real readers; `counts` is a `counted_file_reads()` counter."""
+    from trainer.loader import stream_batches
+
+    shard_of = {str(data.aligned.shard_path(s)): i for i, s in enumerate(data.aligned.shards)}
+    for teacher in data.teachers:
+        shard_of.update({str(teacher.output.directory / name): i for i, name in enumerate(teacher.output.shard_files)})
+    spec = data.loader(rank, world, None).spec  # (workers 0: nothing is read until a batch is asked for)
+    out = []
+    for lane in range(spec.lanes):
+        counts.clear()
+        stream = stream_batches(spec, lane, spec.lanes)
+        windows = 0
+        while True:  # one epoch of this lane: a micro-batch never holds two, so nothing of epoch 1 is read
+            batch = next(stream)
+            windows += batch.windows
+            if batch.state["epoch"] == 1:
+                break
+        stream.close()
+        read: Counter = Counter()
+        for path, count in counts.items():
+            if path in shard_of:
+                read[shard_of[path]] += count
+        out.append((read, windows))
+    return out

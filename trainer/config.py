@@ -63,6 +63,9 @@ class DataConfig:
     seq_len: int = _opt(2048, "tokens per packed row", trajectory=True)
     batch_size: int = _opt(8, "packed rows per rank per micro-step", trajectory=True)
     shuffle_block: int = _opt(4, "shards shuffled together (rows are permuted within a block)", trajectory=True)
+    data_lanes: int = _opt(2, "lanes per rank: each reads its own span of the epoch's shards, and the rank takes "
+                              "micro-batches from them in turn; data-loader workers split the lanes (use a --workers "
+                              "that divides it)", trajectory=True)
     workers: int = _opt(2, "data-loader worker processes (0: in the training process)")
     teacher_cache_mb: int = _opt(1024, "decoded teacher top-k kept per data-loader worker, in MiB; rows are "
                                        "read in shuffled order, so a block that does not stay is decoded again")
@@ -70,7 +73,7 @@ class DataConfig:
     def validate(self) -> None:
         if not self.aligned:
             raise CsdError("--aligned is required: pass the directory written by `csd-pipeline align`")
-        _at_least(self, 1, ("seq_len", "batch_size", "shuffle_block"))
+        _at_least(self, 1, ("seq_len", "batch_size", "shuffle_block", "data_lanes"))
         _at_least(self, 0, ("workers", "teacher_cache_mb"))
         if self.seq_len < 2:
             raise CsdError(f"--seq-len must be at least 2, got {self.seq_len}")

@@ -17,7 +17,21 @@ from csd_pipeline.align.output import ALIGN_RERUN, AlignedOutput
 from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.reader import TEACHER_RERUN, TeacherTopkOutput
 
-LOADER_STATE_VERSION = 1
+# 2: each rank reads its own span of shards in lanes (trainer/shuffle.py). 1 (every rank took every
+# w-th row of each block) is refused: its positions mean other rows in the new order.
+LOADER_STATE_VERSION = 2
+
+
+def lane_state(epoch: int, position: int) -> dict:
+    """One lane's part of the loader state: its epoch and the rows of that epoch it has consumed."""
+    return {"epoch": epoch, "position": position}
+
+
+def rank_state(lanes: list[dict], next_lane: int) -> dict:
+    """A rank's loader state: each lane's {"epoch", "position"}, the lane that supplies the next
+    micro-batch, and "epoch", the earliest lane's epoch (the one the metrics report)."""
+    return {"version": LOADER_STATE_VERSION, "epoch": min(lane["epoch"] for lane in lanes),
+            "lanes": [dict(lane) for lane in lanes], "next_lane": next_lane}
 
 
 @dataclass
@@ -79,7 +93,10 @@ class TrainingData:
         if total < world:
             raise CsdError(f"aligned directory {self.aligned.directory} has {total} rows, fewer than the {world} ranks; "
                            "align more text or use fewer ranks")
-        state = _check_state(state)
+        from trainer.shuffle import lanes_per_rank
+
+        lanes = lanes_per_rank(total, world, self.config.data.data_lanes)
+        state = _check_state(state, lanes)
         data, loss = self.config.data, self.config.loss
         spec = LoaderSpec(
             aligned=self.aligned, teachers=[t.output for t in self.teachers],
@@ -87,7 +104,7 @@ class TrainingData:
             tables=[tuple(str(p) for p in self.aligned.tables(t.index)) for t in self.teachers],
             seed=self.config.seed, shuffle_block=data.shuffle_block, seq_len=data.seq_len,
             batch_size=data.batch_size, spelling=loss.spelling, only_1to1=loss.only_1to1,
-            rank=rank, world=world, epoch=state["epoch"], position=state["position"], pad_id=self.pad_id(),
+            rank=rank, world=world, lanes=lanes, lane_states=state["lanes"], next_lane=state["next_lane"], pad_id=self.pad_id(),
             teacher_top_k=loss.teacher_top_k, teacher_cache_bytes=data.teacher_cache_mb << 20,
             baseline=loss.is_baseline, teacher_control=loss.teacher_control, kd_combine=loss.kd_combine,
         )
@@ -156,10 +173,20 @@ def _check_keep(loss, output: TeacherTopkOutput) -> None:
                        f"`{TEACHER_RERUN}` without --tail-samples for this baseline")
 
 
-def _check_state(state: dict | None) -> dict:
+def _check_state(state: dict | None, lanes: int) -> dict:
+    """The loader state to start from (None: the start), checked against this run's `lanes` per rank."""
     if state is None:
-        return {"version": LOADER_STATE_VERSION, "epoch": 0, "position": 0}
-    if state.get("version") != LOADER_STATE_VERSION:
-        raise CsdError(f"the checkpoint's data-loader state has version {state.get('version')!r}, this trainer "
+        return rank_state([lane_state(0, 0)] * lanes, 0)
+    version = state.get("version")
+    if version == 1:
+        raise CsdError("the checkpoint's data-loader state has version 1 (every rank read every shard and took every "
+                       f"w-th row), this trainer reads version {LOADER_STATE_VERSION} (each rank reads its own span of "
+                       "shards), so its position names other rows; resume with the csd-train that wrote it, or start a "
+                       "new --output from its weights")
+    if version != LOADER_STATE_VERSION:
+        raise CsdError(f"the checkpoint's data-loader state has version {version!r}, this trainer "
                        f"reads {LOADER_STATE_VERSION}; resume with the csd-train that wrote it or start a new --output")
+    if len(state.get("lanes", [])) != lanes or not 0 <= state.get("next_lane", -1) < lanes:
+        raise CsdError(f"the checkpoint's data-loader state has {len(state.get('lanes', []))} lanes per rank, this run "
+                       f"has {lanes}; resume with the --data-lanes (and data) the checkpoint was written with")
     return state

@@ -1,13 +1,14 @@
 """Streaming training batches: shuffled windows, packed, with CE targets and CSD events.
 
-`BatchLoader(spec, workers)` streams one rank's micro-batches: the epoch order of
-`trainer.shuffle` (one block of shards in memory at a time), greedy packing
-(`csd_pipeline.evaluation.packing`), CE targets and CSD events (`csd_pipeline.loss.events`) built
-in data-loader worker processes. Worker w of W builds batches w, w+W, ...; the torch DataLoader
-hands them back in order, so the stream is the same whatever the number of workers. Every
-micro-batch carries the loader state after it: `{"version", "epoch", "position"}`, the next window
-of this rank. Aligned rows are read with `AlignedOutput.read`, teacher rows with
-`TeacherTopkOutput.shard`.
+`BatchLoader(spec, workers)` streams one rank's micro-batches. The rank runs `spec.lanes` lanes
+(`trainer.shuffle`: each a contiguous span of the epoch's shards, read one block of shards at a
+time, its rows permuted within the block); each lane packs its own windows greedily
+(`csd_pipeline.evaluation.packing`) and the rank takes micro-batches from its lanes in turn. CE
+targets and CSD events (`csd_pipeline.loss.events`) are built in data-loader worker processes:
+worker w of W serves lanes w, w+W, ..., so each worker reads only its lanes' shards, and the
+stream is the same whatever the number of workers. Every micro-batch carries the rank's loader
+state after it (`trainer.data.rank_state`: each lane's epoch and rows consumed, and the next lane).
+Aligned rows are read with `AlignedOutput.read`, teacher rows with `TeacherTopkOutput.shard`.
 
 Only the training entry point imports this module (it imports torch at the top).
 """
@@ -24,7 +25,7 @@ import torch
 from csd_pipeline.align.output import AlignedOutput
 from csd_pipeline.errors import CsdError
 from csd_pipeline.evaluation.packing import check_window_length, pack, plan_rows
-from trainer.data import LOADER_STATE_VERSION
+from trainer.data import lane_state, rank_state
 from trainer.shuffle import EpochPlan
 
 
@@ -41,7 +42,8 @@ class MicroBatch:
     content_tokens: int
     padding_tokens: int
     windows: int
-    state: dict = field(default_factory=dict)
+    lane: int = 0                   # the lane of this rank that supplied it
+    state: dict = field(default_factory=dict)  # its lane's state after it; `BatchLoader` makes it the rank's
 
 
 @dataclass
@@ -60,8 +62,9 @@ class LoaderSpec:
     only_1to1: bool
     rank: int
     world: int
-    epoch: int
-    position: int
+    lanes: int                     # lanes per rank (`trainer.shuffle.lanes_per_rank`)
+    lane_states: list              # each lane's `lane_state` to start from
+    next_lane: int                 # the lane that supplies the first micro-batch
     pad_id: int
     teacher_top_k: int = 0
     teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
@@ -72,6 +75,7 @@ class LoaderSpec:
 
 @dataclass
 class _Window:
+    lane: int
     shard: int
     row: int           # row within the shard
     length: int
@@ -102,53 +106,58 @@ class _ShardColumns:
         return out
 
 
-def _windows(spec: LoaderSpec):
-    """This rank's windows in data order from (spec.epoch, spec.position), across epochs, forever."""
+def _lane_windows(spec: LoaderSpec, lane: int):
+    """Lane `lane`'s windows in data order from its state in `spec`, across epochs, forever.
+
+    Only the aligned shards of the lane's current block are read (`EpochPlan.lane_rows`)."""
     columns = spec.aligned.training_columns(spec.teacher_indices)
     shard_rows = tuple(shard.rows for shard in spec.aligned.shards)
-    epoch, start = spec.epoch, spec.position
+    lanes, index = spec.world * spec.lanes, spec.rank * spec.lanes + lane
+    epoch, start = spec.lane_states[lane]["epoch"], spec.lane_states[lane]["position"]
     while True:
         plan = EpochPlan(spec.seed, epoch, shard_rows, spec.shuffle_block)
-        count = plan.rank_count(spec.rank, spec.world)
+        count = plan.lane_count(index, lanes)
         offsets = plan.shard_offsets
         position = start
-        for _, rows in plan.rank_rows(spec.rank, spec.world, start):
+        for block, rows in plan.lane_rows(index, lanes, start):
+            shards = {s: _ShardColumns(spec.aligned, s, columns) for s in block.shards}
             shard_of = np.searchsorted(offsets, rows, side="right") - 1
-            shards = {s: _ShardColumns(spec.aligned, s, columns) for s in np.unique(shard_of).tolist()}
             for global_row, shard in zip(rows.tolist(), shard_of.tolist(), strict=True):
                 local = global_row - int(offsets[shard])
                 row = shards[shard].row(local)
                 position += 1
-                after = ({"version": LOADER_STATE_VERSION, "epoch": epoch, "position": position}
-                         if position < count else {"version": LOADER_STATE_VERSION, "epoch": epoch + 1, "position": 0})
-                yield _Window(shard, local, len(row["student_ids"]), after, row)
+                after = lane_state(epoch, position) if position < count else lane_state(epoch + 1, 0)
+                yield _Window(lane, shard, local, len(row["student_ids"]), after, row)
         epoch, start = epoch + 1, 0
 
 
-def _batch_plans(spec: LoaderSpec):
-    """(batch index, windows, placements) in order; the packing plan only needs window lengths."""
+def _batch_plans(spec: LoaderSpec, lane: int):
+    """(windows, placements) of lane `lane`'s micro-batches in order; the packing plan only needs window lengths.
+
+    A micro-batch never holds two epochs: the lane's last one of an epoch takes what is left of it, so
+    nothing of the next epoch is read before the lane reaches it."""
     pending: deque = deque()
-    source = _windows(spec)
+    source = _lane_windows(spec, lane)
     capacity = spec.batch_size * spec.seq_len
-    index = 0
     while True:
-        # enough windows that the plan stops on a window that does not fit (never on a short buffer)
-        while sum(w.length for w in pending) <= capacity:
+        # enough windows that the plan stops on a window that does not fit (never on a short buffer),
+        # or up to the epoch's end
+        while sum(w.length for w in pending) <= capacity and not (pending and pending[-1].state_after["position"] == 0):
             window = next(source)
             check_window_length(window.length, spec.seq_len, window.columns["row_id"])
             pending.append(window)
         placements, used = plan_rows([w.length for w in pending], spec.seq_len, spec.batch_size)
-        yield index, [pending.popleft() for _ in range(used)], placements
-        index += 1
+        yield [pending.popleft() for _ in range(used)], placements
 
 
 class _BatchBuilder:
     """Turns planned windows into a `MicroBatch` (tables and teacher shards loaded once per worker)."""
 
-    def __init__(self, spec: LoaderSpec):
+    def __init__(self, spec: LoaderSpec, lanes_here: int = 1):
         self.spec = spec
+        self.lanes_here = lanes_here  # lanes this worker serves: they share its teacher cache
         self._contexts = None
-        self._teacher_cache: dict[tuple[int, int], object] = {}
+        self._teacher_cache: dict[tuple[int, int, int], object] = {}
 
     def contexts(self):
         if self._contexts is None:
@@ -161,14 +170,14 @@ class _BatchBuilder:
             ]
         return self._contexts
 
-    def teacher_row(self, t: int, shard: int, row: int):
-        key = (t, shard)
+    def teacher_row(self, lane: int, t: int, shard: int, row: int):
+        key = (lane, t, shard)
         if key not in self._teacher_cache:
-            # a block spans at most `shuffle_block` shards: keep that many per teacher
-            mine = [k for k in self._teacher_cache if k[0] == t]
+            # a lane's block spans at most `shuffle_block` shards: keep that many per lane and teacher
+            mine = [k for k in self._teacher_cache if k[:2] == (lane, t)]
             for old in mine[: max(0, len(mine) - self.spec.shuffle_block + 1)]:
                 del self._teacher_cache[old]
-            open_shards = min(self.spec.shuffle_block, len(self.spec.aligned.shards))
+            open_shards = min(self.spec.shuffle_block, len(self.spec.aligned.shards)) * self.lanes_here
             share = self.spec.teacher_cache_bytes // (open_shards * len(self.spec.teachers))
             self._teacher_cache[key] = self.spec.teachers[t].shard(shard, cache_bytes=share)
         topk = self._teacher_cache[key][row]
@@ -197,7 +206,7 @@ class _BatchBuilder:
             input_ids=packed.input_ids, position_ids=packed.position_ids, ce_positions=ce_positions,
             ce_tokens=ce_tokens, teachers=teachers, shape_counts=shapes, content_tokens=packed.content_tokens,
             padding_tokens=spec.batch_size * spec.seq_len - packed.content_tokens, windows=len(windows),
-            state=dict(windows[-1].state_after),
+            lane=windows[0].lane, state=dict(windows[-1].state_after),
         )
 
     def _teacher_rows(self, t: int, index: int, windows: list[_Window]) -> list:
@@ -207,10 +216,10 @@ class _BatchBuilder:
 
         spec = self.spec
         context = self.contexts()[t]
-        topks = [self.teacher_row(t, w.shard, w.row) for w in windows]
+        topks = [self.teacher_row(w.lane, t, w.shard, w.row) for w in windows]
         if spec.teacher_control == "shuffled":  # the same stored rows, at other positions of the batch
             first = windows[0].state_after
-            rng = np.random.default_rng([spec.seed, spec.rank, t, first["epoch"], first["position"]])
+            rng = np.random.default_rng([spec.seed, spec.rank, windows[0].lane, t, first["epoch"], first["position"]])
             topks = shuffle_teacher_rows(topks, rng)
         # A rejected teacher row (non-finite values) gives no events or rows (CE only) and is counted.
         if spec.baseline:
@@ -248,26 +257,31 @@ class _LoaderError:
 
 
 def stream_batches(spec: LoaderSpec, worker: int = 0, workers: int = 1):
-    """Yield the `MicroBatch`es with index % workers == worker, in order."""
-    builder = _BatchBuilder(spec)
+    """Yield the `MicroBatch`es of the lanes v with v % workers == worker, in the rank's order.
+
+    The rank takes micro-batches from its lanes in turn, from `spec.next_lane` on; this worker yields
+    those of its own lanes in that order, so it reads only its lanes' shards."""
+    mine = [lane for lane in range(spec.lanes) if lane % workers == worker]
+    builder = _BatchBuilder(spec, lanes_here=len(mine))
+    plans = {lane: _batch_plans(spec, lane) for lane in mine}
+    lane = spec.next_lane
     try:
-        for index, windows, placements in _batch_plans(spec):
-            if index % workers == worker:
-                yield builder.build(windows, placements)
+        while True:
+            if lane in plans:
+                yield builder.build(*next(plans[lane]))
+            lane = (lane + 1) % spec.lanes
     except CsdError as err:
         yield _LoaderError(str(err))
 
 
 class _Stream(torch.utils.data.IterableDataset):
-    """The loader stream as a torch IterableDataset (worker w builds batches w, w+W, ...)."""
+    """Worker `worker` of `workers`'s part of the stream as a torch IterableDataset (one process each)."""
 
-    def __init__(self, spec: LoaderSpec):
-        self.spec = spec
+    def __init__(self, spec: LoaderSpec, worker: int, workers: int):
+        self.spec, self.worker, self.workers = spec, worker, workers
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return stream_batches(self.spec, worker, workers)
+        return stream_batches(self.spec, self.worker, self.workers)
 
 
 def _identity(batch):
@@ -275,32 +289,44 @@ def _identity(batch):
 
 
 class BatchLoader:
-    """Iterator of `MicroBatch`es; `workers` > 0 builds them in that many worker processes."""
+    """Iterator of the rank's `MicroBatch`es, each carrying the rank's loader state after it.
+
+    `workers` > 0 builds them in min(workers, lanes) worker processes (one torch DataLoader each);
+    worker w serves lanes w, w + workers, ..., so it reads only their shards. The stream is the same
+    for any number of workers."""
 
     def __init__(self, spec: LoaderSpec, workers: int):
         self.spec = spec
+        self.lane_states = [dict(state) for state in spec.lane_states]
+        self.next_lane = spec.next_lane
         if workers == 0:
-            self._iter = stream_batches(spec)
-            self._loader = None
+            self._iters = [stream_batches(spec)]
         else:
-            self._loader = torch.utils.data.DataLoader(
-                _Stream(spec), batch_size=None, num_workers=workers, collate_fn=_identity,
-                prefetch_factor=4, persistent_workers=False,
-            )
-            self._iter = iter(self._loader)
+            count = min(workers, spec.lanes)
+            self._iters = [iter(torch.utils.data.DataLoader(
+                _Stream(spec, worker, count), batch_size=None, num_workers=1, collate_fn=_identity,
+                prefetch_factor=4, persistent_workers=False)) for worker in range(count)]
 
     def __iter__(self):
         return self
 
     def __next__(self) -> MicroBatch:
-        batch = next(self._iter)
+        lane = self.next_lane
+        batch = next(self._iters[lane % len(self._iters)])
         if isinstance(batch, _LoaderError):
             raise CsdError(batch.message)
+        if batch.lane != lane:
+            raise CsdError(f"data-loader worker sent a micro-batch of lane {batch.lane} where lane {lane} was due; "
+                           "this is a bug, please report it")
+        self.lane_states[lane] = batch.state
+        self.next_lane = (lane + 1) % self.spec.lanes
+        batch.state = rank_state(self.lane_states, self.next_lane)
         return batch
 
     def close(self) -> None:
         """Stop the worker processes."""
-        shutdown = getattr(self._iter, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        self._iter = iter(())
+        for iterator in self._iters:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+        self._iters = [iter(())]

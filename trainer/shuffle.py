@@ -1,10 +1,17 @@
-"""The data order: a pure function of (seed, epoch, shard sizes), and its split over ranks.
+"""The data order: a pure function of (seed, epoch, shard sizes, lanes), and its split over ranks.
 
-An epoch permutes the shards, groups consecutive shards of that order into blocks of
-`block` shards, and permutes the rows of each block. Only one block has to be read at a time,
-so the order streams while still mixing rows across shards. The concatenated block orders
-form the epoch's global sequence; rank `r` of `w` takes every `w`-th element starting at `r`,
-so ranks get disjoint parts and together exactly the epoch. Nothing here reads data.
+Each epoch permutes the shards; laid end to end in that order (each shard's rows in stored order)
+they form the epoch's sequence of N rows. The sequence is cut into `lanes` contiguous spans of
+equal size (floor(k N / lanes) to floor((k + 1) N / lanes): sizes differ by at most one row, no
+row is dropped or repeated). A lane's span is grouped into blocks of `block` consecutive shards (or
+parts of shards, at the span's ends) and the rows of each block are permuted. A lane therefore
+touches only the shards of its span, one block at a time, while its rows still mix across the
+shards of a block and, from epoch to epoch, across every shard (as mosaicml/streaming partitions
+samples over canonical nodes, then shuffles within blocks).
+
+The trainer runs `world x lanes_per_rank` lanes: rank r owns lanes r*V .. r*V + V - 1, a
+contiguous span of about N / world rows, and its data-loader workers split those V lanes
+(`trainer/loader.py`). Lanes are disjoint and together cover the epoch. Nothing here reads data.
 """
 
 from __future__ import annotations
@@ -25,9 +32,35 @@ def _rng(seed: int, epoch: int, *tags: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, *tags])))
 
 
+def lanes_per_rank(total_rows: int, world: int, wanted: int) -> int:
+    """How many lanes each rank runs: `wanted` (`--data-lanes`), fewer when the data has fewer than
+    `wanted` rows per rank (every lane gets at least one row). Raises `CsdError` for a bad world size."""
+    _check_lane(0, world)
+    if wanted < 1:
+        raise CsdError(f"--data-lanes must be at least 1, got {wanted}")
+    return max(1, min(wanted, total_rows // world))
+
+
+@dataclass(frozen=True)
+class Block:
+    """A run of one lane's rows: `parts` are (shard, first row, end row) in the epoch's shard order."""
+
+    index: int                           # within the lane's epoch
+    start: int                           # the lane's position (rows before this block in its epoch)
+    parts: tuple[tuple[int, int, int], ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(end - first for _, first, end in self.parts)
+
+    @property
+    def shards(self) -> list[int]:
+        return [shard for shard, _, _ in self.parts]
+
+
 @dataclass(frozen=True)
 class EpochPlan:
-    """The order of one epoch over shards of the given sizes (rows per shard)."""
+    """The order of one epoch over shards of the given sizes (rows per shard, manifest order)."""
 
     seed: int
     epoch: int
@@ -49,53 +82,69 @@ class EpochPlan:
     def total_rows(self) -> int:
         return int(sum(self.shard_rows))
 
-    def blocks(self) -> list[np.ndarray]:
-        """Shard indices of each block, in epoch order."""
-        shard_order = _rng(self.seed, self.epoch, _SHARD_STREAM).permutation(len(self.shard_rows))
-        return [shard_order[i:i + self.block] for i in range(0, len(shard_order), self.block)]
+    def shard_order(self) -> np.ndarray:
+        """The epoch's permutation of the shards (manifest indices)."""
+        return _rng(self.seed, self.epoch, _SHARD_STREAM).permutation(len(self.shard_rows))
 
-    def block_rows(self, block_index: int, shards: np.ndarray) -> np.ndarray:
-        """Global row indices of one block, permuted (int64)."""
+    def lane_span(self, lane: int, lanes: int) -> tuple[int, int]:
+        """(first, end) positions of lane `lane` of `lanes` in the epoch's sequence."""
+        _check_lane(lane, lanes)
+        total = self.total_rows
+        return lane * total // lanes, (lane + 1) * total // lanes
+
+    def lane_count(self, lane: int, lanes: int) -> int:
+        """How many rows lane `lane` of `lanes` gets in this epoch."""
+        first, end = self.lane_span(lane, lanes)
+        return end - first
+
+    def lane_blocks(self, lane: int, lanes: int) -> list[Block]:
+        """The blocks of lane `lane` of `lanes`, in order: the shards its span touches, `block` at a time."""
+        first, end = self.lane_span(lane, lanes)
+        order = self.shard_order()
+        sizes = np.asarray(self.shard_rows, dtype=np.int64)[order]
+        starts = np.concatenate([[0], np.cumsum(sizes)])  # position of each ordered shard's first row
+        parts = []
+        # the ordered shards that overlap [first, end): the last one starting at or before `first`, on
+        for i in range(max(0, int(np.searchsorted(starts, first, side="right")) - 1), len(order)):
+            if starts[i] >= end:
+                break
+            lo, hi = max(first, int(starts[i])), min(end, int(starts[i + 1]))
+            if hi > lo:
+                parts.append((int(order[i]), lo - int(starts[i]), hi - int(starts[i])))
+        blocks, position = [], 0
+        for index, at in enumerate(range(0, len(parts), self.block)):
+            group = tuple(parts[at:at + self.block])
+            blocks.append(Block(index, position, group))
+            position += blocks[-1].rows
+        return blocks
+
+    def block_rows(self, lane: int, lanes: int, block: Block) -> np.ndarray:
+        """Global row indices (manifest order, int64) of one block of a lane, permuted."""
         offsets = self.shard_offsets
-        rows = np.concatenate(
-            [np.arange(offsets[s], offsets[s + 1], dtype=np.int64) for s in shards]
-        ) if len(shards) else np.zeros(0, dtype=np.int64)
-        return rows[_rng(self.seed, self.epoch, _ROW_STREAM, block_index).permutation(len(rows))]
+        rows = np.concatenate([np.arange(offsets[s] + lo, offsets[s] + hi, dtype=np.int64)
+                               for s, lo, hi in block.parts]) if block.parts else np.zeros(0, dtype=np.int64)
+        permutation = _rng(self.seed, self.epoch, _ROW_STREAM, lanes, lane, block.index).permutation(len(rows))
+        return rows[permutation]
 
-    def order(self) -> np.ndarray:
-        """The whole epoch's global order (for tests and small data; streaming uses `rank_rows`)."""
-        parts = [self.block_rows(b, shards) for b, shards in enumerate(self.blocks())]
+    def lane_rows(self, lane: int, lanes: int, start: int = 0) -> Iterator[tuple[Block, np.ndarray]]:
+        """Yield (block, global row indices) of lane `lane` of `lanes` from its `start`-th row on.
+
+        `start` counts rows of this lane (the loader state); blocks before it are skipped unread.
+        """
+        for block in self.lane_blocks(lane, lanes):
+            if block.start + block.rows > start:
+                yield block, self.block_rows(lane, lanes, block)[max(0, start - block.start):]
+
+    def lane_shards(self, lane: int, lanes: int) -> list[int]:
+        """The shards (manifest indices) lane `lane` of `lanes` opens in this epoch, in the order it reads them."""
+        return [shard for block in self.lane_blocks(lane, lanes) for shard in block.shards]
+
+    def order(self, lanes: int = 1) -> np.ndarray:
+        """The epoch's rows, lane after lane (for tests and small data; the loader uses `lane_rows`)."""
+        parts = [rows for lane in range(lanes) for _, rows in self.lane_rows(lane, lanes)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def rank_count(self, rank: int, world: int) -> int:
-        """How many rows rank `rank` of `world` gets in this epoch."""
-        _check_rank(rank, world)
-        total = self.total_rows
-        return max(0, (total - rank + world - 1) // world)
 
-    def rank_rows(self, rank: int, world: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
-        """Yield (block index, global row indices) of rank `rank`'s part, from its `start`-th row on.
-
-        Rank `rank` takes epoch positions rank, rank + world, rank + 2*world, ...; `start` counts
-        rows of this rank (the loader state), so a resumed reader skips whole blocks unread.
-        """
-        _check_rank(rank, world)
-        first_position = rank + start * world  # global epoch position of the first row wanted
-        position = 0
-        for b, shards in enumerate(self.blocks()):
-            size = int(sum(self.shard_rows[s] for s in shards))
-            end = position + size
-            if end > first_position and size:
-                rows = self.block_rows(b, shards)
-                lo = max(first_position, position)
-                # first position >= lo that belongs to this rank
-                lo += (rank - lo) % world
-                if lo < end:
-                    yield b, rows[lo - position:size:world]
-            position = end
-
-
-def _check_rank(rank: int, world: int) -> None:
-    if world < 1 or not 0 <= rank < world:
-        raise CsdError(f"rank {rank} of world size {world} is out of range; check the launcher's RANK/WORLD_SIZE")
-
+def _check_lane(lane: int, lanes: int) -> None:
+    if lanes < 1 or not 0 <= lane < lanes:
+        raise CsdError(f"lane {lane} of {lanes} is out of range; check the launcher's RANK/WORLD_SIZE")

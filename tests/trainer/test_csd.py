@@ -141,13 +141,16 @@ def test_two_teachers_selected_per_group(trainer_data, trainer_teacher, csd_run,
 @pytest.mark.slow
 def test_loss_keep_dtype_reaches_the_loss(trainer_data, trainer_teacher, csd_run, tmp_path):
     """`--loss-keep-mb --loss-keep-dtype float16` keeps 16-bit log-probabilities: the first step's CE and KD
-    (the forward) are the default run's; the gradient differs only by their rounding, so the loss stays close."""
+    (the forward) are the default run's; the gradient differs only by their rounding, so the loss stays close.
+    (Over three steps: on some batches the rounding moves the first step's float32 gradient norm by nothing.)"""
     output = tmp_path / "run"
-    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--steps", "1", "--loss-keep-mb", "4096",
+    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--loss-keep-mb", "4096",
                                     "--loss-keep-dtype", "float16"))
     assert config.loss.loss_keep_dtype == "float16"
     train(config)
-    row, reference = metrics(output)[0], metrics(csd_run)[0]
+    rows, references = metrics(output), metrics(csd_run)
+    row, reference = rows[0], references[0]
     assert row["ce"] == pytest.approx(reference["ce"], rel=1e-6) and row["kd"] == pytest.approx(reference["kd"], rel=1e-6)
-    assert row["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-2)
-    assert row["grad_norm"] != reference["grad_norm"]  # the 16-bit kept chunks were used
+    for row, reference in zip(rows, references, strict=True):
+        assert row["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-2)
+    assert [r["grad_norm"] for r in rows] != [r["grad_norm"] for r in references]  # the 16-bit kept chunks were used

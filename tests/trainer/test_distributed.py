@@ -51,5 +51,5 @@ def test_two_gloo_ranks_learn(trainer_data, tmp_path):
     final = output / "checkpoints" / "step-8"
     assert sorted(p.name for p in (final / "ranks").iterdir()) == ["rank-00000.json", "rank-00001.json"]
     states = [json.loads((final / "ranks" / f"rank-{r:05d}.json").read_text())["loader"] for r in (0, 1)]
-    assert all(s["version"] == 1 for s in states)
+    assert all(s["version"] == 2 and len(s["lanes"]) == 2 for s in states)
     assert (output / "export" / "model.safetensors").is_file()

@@ -110,10 +110,11 @@ def test_student_tokenizer_mismatch_names_the_stage(trainer_data, tmp_path):
 
 def test_gradient_accumulation_matches_the_larger_batch(trainer_data, tmp_path, one_thread):
     # greedy packing puts the same windows in two 1-row micro-batches as in one 2-row batch, and the
-    # loss is divided by the global CE-token count of the whole step: the steps must agree
-    train(parse_args(base_args(trainer_data, tmp_path / "a", "steps=3", "save_every=0")))
+    # loss is divided by the global CE-token count of the whole step: the steps must agree (with one
+    # lane: with two, consecutive micro-batches come from different lanes)
+    train(parse_args(base_args(trainer_data, tmp_path / "a", "steps=3", "save_every=0", "data_lanes=1")))
     train(parse_args(base_args(trainer_data, tmp_path / "b", "steps=3", "save_every=0", "batch_size=1",
-                               "grad_accum=2")))
+                               "grad_accum=2", "data_lanes=1")))
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["ce_tokens"] for r in a] == [r["ce_tokens"] for r in b]
     for x, y in zip(a, b, strict=True):
