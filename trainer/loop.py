@@ -111,7 +111,8 @@ def _train(config: TrainConfig, ctx) -> dict:
 
     steps, output = config.optimizer.steps, config.checkpoints.output
     loader = data.loader(ctx.rank, ctx.world, loader_state)
-    metrics = MetricsLogger(output, ctx.is_main, steps, step, config.progress and ctx.is_main)
+    metrics = MetricsLogger(output, ctx.is_main, steps, step, config.progress and ctx.is_main,
+                            report_to=config.report_to, config=config.to_dict())
     if step:
         metrics.message(f"resumed from {resumed_from} at step {step}")
     last: dict = {}
