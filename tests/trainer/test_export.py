@@ -135,6 +135,28 @@ def test_from_scratch_student_export_carries_its_tokenizer(tokenizer_path, tmp_p
     assert (output / "generation_config.json").is_file()  # transformers' own, from the model config
 
 
+def test_every_tokenizer_and_processor_file_is_carried(tokenizer_path, tmp_path):
+    """Files a student may carry besides tokenizer.json, from a folder or beside a tokenizer.json path."""
+    from trainer.export import save_tokenizer
+
+    source = tmp_path / "student"
+    shutil.copytree(tokenizer_path("llama-spm"), source)
+    extra = {"special_tokens_map.json": json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
+             "added_tokens.json": "{}", "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+             "preprocessor_config.json": "{}", "video_processor_config.json": "{}",
+             "additional_chat_templates/tool_use.jinja": "{{ messages[0]['content'] }}"}
+    for name, text in extra.items():
+        (source / name).parent.mkdir(exist_ok=True)
+        (source / name).write_text(text)
+    for argument in (source, source / "tokenizer.json"):
+        output = tmp_path / f"export-{argument.name}"
+        output.mkdir()
+        save_tokenizer(str(argument), output)
+        for path in source.rglob("*"):
+            if path.is_file():
+                assert (output / path.relative_to(source)).read_bytes() == path.read_bytes(), path
+
+
 def test_export_that_does_not_reproduce_the_student_is_one_error_and_the_checkpoint_stays(
         trainer_data, tmp_path, monkeypatch, capsys, one_thread):
     import transformers
