@@ -187,3 +187,30 @@ def test_export_that_does_not_reproduce_the_student_is_one_error_and_the_checkpo
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", real)
     main(args + ["--resume"])  # the same command with --resume writes the export again, checked
     assert (output / "export" / "model.safetensors").is_file() and not (output / "export.failed").exists()
+
+
+@pytest.mark.slow
+def test_csd_train_exports_a_pretrained_student_with_its_chat_template_file(smollm2_layouts, tmp_path, one_thread):
+    """End to end: csd-train fine-tunes SmolLM2 whose tokenizer keeps its template in chat_template.jinja; the
+    checked export carries it, and its tokenizer and chat template give the source's outputs."""
+    from csd_pipeline.align.stage import AlignConfig, run_align
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
+    from tests.csd_cases import cached_table_file
+    from trainer.loop import train
+    from trainer.options import parse_args
+
+    student = smollm2_layouts["resaved"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXTS[1].read_text(encoding="utf-8")[:1200], encoding="utf-8")
+    s, t = load_tokenizer(str(student)), load_tokenizer("llama-spm")
+    run_align(AlignConfig(corpus=[str(corpus)], student_tokenizer=str(student), teacher_tokenizers=["llama-spm"],
+                          output=str(tmp_path / "aligned"), max_student_tokens=64,
+                          tables=[(cached_table_file(s, t), cached_table_file(t, s))]))
+    output = tmp_path / "run"
+    train(parse_args(["--aligned", str(tmp_path / "aligned"), "--student", str(student), "--output", str(output),
+                      "--loss", "ce", "--steps", "1", "--seq-len", "64", "--batch-size", "1", "--lr", "1e-5",
+                      "--warmup-steps", "0", "--save-every", "0", "--workers", "0", "--no-progress"]))
+    export = output / "export"
+    for name in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (export / name).read_bytes() == (student / name).read_bytes(), name
+    assert_same_tokenizer(export, student)
