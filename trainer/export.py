@@ -176,7 +176,8 @@ def verify_export(folder: Path, reference, input_ids, position_ids=None, *, fing
     if not error <= bound:
         raise CsdError(f"{where} does not reproduce the student: its logits differ by up to {error:.3g} (allowed "
                        f"{bound:.3g}) on a real batch of {input_ids.shape[1]} tokens; it is left in {kept}, and the "
-                       "checkpoint is kept (re-run with --resume to write the export again)")
+                       "checkpoint is kept (the same command with --resume continues from it, or writes the final "
+                       "export again)")
     return error
 
 
