@@ -82,6 +82,9 @@ def test_wandb_offline_run_holds_the_metrics(trainer_data, tmp_path, monkeypatch
     args = run_args(trainer_data, output, "--report-to", "jsonl,wandb", "--save-every", "1")
     train(parse_args(args + ["stop_at_step=1"]))
     train(parse_args(args + ["--resume"]))  # continues the same W&B run (offline: a second folder, same id)
+    import wandb
+
+    wandb.teardown()  # the W&B service writes the run's log asynchronously: stop it so that every record is on disk
     logs = sorted((output / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 2 and logs[0].name == logs[1].name, list((output / "wandb").iterdir())
     history, config = [], set()
