@@ -6,11 +6,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 FIX_STAMP := $(VENV)/.fixtures-stamp
 
+# TORCH: the pip arguments that install torch, first, before the project. The default pins the torch the
+# tests run with (2.13.0; the CPU build where pip's index serves it, as in this project's sessions). For a
+# CUDA build, on a fresh checkout (or after rm -rf .venv), give pip the index of that build:
+#   make venv TORCH="torch==2.13.0 --index-url <PyTorch's wheel index for your CUDA version>"
+TORCH ?= torch==2.13.0
+
 STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers gpu-check lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -21,13 +27,15 @@ help:
 	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
 	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 3 hours)"
 	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (about 3 hours)"
+	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
+	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	# torch first and pinned: an open range would pull a multi-GB CUDA build.
-	$(VENV)/bin/pip install -q torch==2.13.0
+	# torch first and pinned (TORCH above): an open range would pull a multi-GB CUDA build.
+	$(VENV)/bin/pip install -q $(TORCH)
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
@@ -66,6 +74,10 @@ bench-compare: fixtures
 
 bench-teachers: fixtures
 	$(PY) bench/bench_teachers.py --jobs 2
+
+# on the first CUDA device (a few minutes); without one it says "no CUDA device" and exits 0
+gpu-check: fixtures
+	$(PY) bench/gpu_check.py
 
 lint: venv
 	$(VENV)/bin/ruff check csd_pipeline cli trainer schemas tests bench

@@ -16,7 +16,7 @@ def tiny_student(folder: Path, tokenizer: str = "llama-spm", seed: int = 0) -> P
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from csd_pipeline.fixtures.names import tokenizer_path
-    from trainer.model import save_tokenizer
+    from trainer.export import save_tokenizer
 
     if (folder / "config.json").is_file():
         return folder

@@ -293,6 +293,12 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the initialisation and the data order", trajectory=True)
     device: str = _opt("auto", "auto, cpu or cuda", choices=DEVICES)
     progress: bool = _opt(True, "progress bar on stderr (rank 0)")
+    report_to: list[str] = field(
+        default_factory=lambda: ["jsonl"],
+        metadata={"help": "where metrics go, comma-separated: jsonl (metrics.jsonl, always written), tensorboard "
+                          "(OUTPUT/tensorboard/), wandb (W&B; WANDB_MODE=offline for a local run); the trackers are "
+                          "extras: pip install 'csd-pipeline[tensorboard]' / '[wandb]'", "trajectory": False},
+    )
 
     @classmethod
     def from_options(cls, values: dict) -> TrainConfig:
@@ -308,6 +314,9 @@ class TrainConfig:
         for name in COMPONENTS:
             getattr(self, name).validate()
         _check_choices(self)
+        from trainer.trackers import check_installed
+
+        check_installed(self.report_to)
         if self.loss.uses_teachers and not self.data.teacher_logits:
             raise CsdError(f"--loss {self.loss.loss} needs teacher top-k: pass --teacher-logits DIR "
                            "(from `csd-pipeline teacher-logits`) or use --loss ce")

@@ -24,7 +24,6 @@ from schemas.aligned import SHAPES
 from trainer import checkpoint, distributed
 from trainer.config import LossConfig, OptimizerConfig, TrainConfig, check_resume_compatible, write_resolved
 from trainer.metrics import MetricsLogger
-from trainer.model import export_hf
 
 # metrics.jsonl spells the shapes without a colon: chunks_1to1, chunks_1toN, chunks_Mto1, chunks_MtoN
 SHAPE_KEYS = tuple(shape.replace(":", "to") for shape in SHAPES)
@@ -112,7 +111,8 @@ def _train(config: TrainConfig, ctx) -> dict:
 
     steps, output = config.optimizer.steps, config.checkpoints.output
     loader = data.loader(ctx.rank, ctx.world, loader_state)
-    metrics = MetricsLogger(output, ctx.is_main, steps, step, config.progress and ctx.is_main)
+    metrics = MetricsLogger(output, ctx.is_main, steps, step, config.progress and ctx.is_main,
+                            report_to=config.report_to, config=config.to_dict())
     if step:
         metrics.message(f"resumed from {resumed_from} at step {step}")
     last: dict = {}
@@ -138,11 +138,12 @@ def _train(config: TrainConfig, ctx) -> dict:
             if evaluation.eval_aligned and evaluation.eval_every and step % evaluation.eval_every == 0:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
                 evaluated_at = step
-            _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1].state, data)
+            _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1], data)
         if step == steps:
             if config.evaluation.eval_aligned and evaluated_at != step:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
-            export_hf(wrapper, data.student_tokenizer, Path(output) / EXPORT_DIR, ctx.is_main)
+            sample = micro[-1] if last else next(loader)  # a real batch for the export's check
+            export(wrapper, config, ctx, data, Path(output) / EXPORT_DIR, sample)
     finally:
         metrics.close()
         loader.close()
@@ -165,16 +166,25 @@ def _resume(config: TrainConfig, ctx, wrapper, optimizer, scheduler) -> tuple[in
 
 
 def _save(config: TrainConfig, ctx, step: int, final: bool, wrapper, optimizer, scheduler, counters: dict,
-          loader_state: dict, data) -> None:
-    """The checkpoint (every `--save-every` steps and at the last step of this process) and `--export-every` export."""
+          batch, data) -> None:
+    """The checkpoint (every `--save-every` steps and at the last step of this process) and `--export-every` export
+    (`batch`: the step's last micro-batch, its loader state and the export check's real batch)."""
     options = config.checkpoints
     if (options.save_every and step % options.save_every == 0) or final:
         checkpoint.save_checkpoint(
             options.output, step, wrapper, optimizer, {"scheduler": scheduler.state_dict(), "counters": counters},
-            loader_state, ctx, options.keep_last,
+            batch.state, ctx, options.keep_last,
         )
     if options.export_every and step % options.export_every == 0 and step != config.optimizer.steps:
-        export_hf(wrapper, data.student_tokenizer, Path(options.output) / f"{EXPORT_DIR}-step-{step}", ctx.is_main)
+        export(wrapper, config, ctx, data, Path(options.output) / f"{EXPORT_DIR}-step-{step}", batch)
+
+
+def export(wrapper, config: TrainConfig, ctx, data, folder: Path, sample) -> None:
+    """The checked HF export of the student into `folder` (`trainer.export.export_hf`; collective)."""
+    from trainer.export import export_hf, student_model_folder
+
+    export_hf(wrapper, data.student_tokenizer, folder, ctx, sample=sample,
+              student_folder=student_model_folder(config.student), fingerprint=data.student_vocab.fingerprint)
 
 
 def _evaluate(wrapper, config: TrainConfig, ctx, data, step: int, metrics) -> None:

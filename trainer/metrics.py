@@ -1,5 +1,5 @@
 """Per-step metrics: `OUTPUT/metrics.jsonl`, a progress bar on stderr (a terminal only, see
-`csd_pipeline.runtime.progress`), TensorBoard if installed.
+`csd_pipeline.runtime.progress`), and the trackers of `--report-to` (`trainer/trackers.py`).
 
 Only rank 0 writes. Values logged are already global (all-reduced by the loop). On resume the
 file is cut back to the resumed step, so a stopped-and-resumed run ends with the same lines
@@ -46,12 +46,12 @@ class MetricsLogger:
     """Writes one JSON object per step (rank 0 only) and drives the progress bar."""
 
     def __init__(self, output: str | os.PathLike, is_main: bool, total_steps: int, start_step: int,
-                 progress: bool = True):
+                 progress: bool = True, report_to: tuple[str, ...] = ("jsonl",), config: dict | None = None):
         self.is_main = is_main
         self.path = Path(output) / METRICS_FILE
         self.eval_path = Path(output) / EVAL_FILE
         self._bar = None
-        self._tensorboard = None
+        self._trackers: list = []
         if not is_main:
             return
         truncate_jsonl(self.path, start_step)
@@ -61,12 +61,9 @@ class MetricsLogger:
             from csd_pipeline.runtime.progress import bar
 
             self._bar = bar(total_steps, "train", "step", initial=start_step)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        from trainer.trackers import open_trackers
 
-            self._tensorboard = SummaryWriter(str(Path(output) / "tensorboard"), purge_step=start_step + 1)
-        except ImportError:
-            self._tensorboard = None
+        self._trackers = open_trackers(list(report_to), output, start_step, config or {})
 
     def log_step(self, record: dict) -> None:
         """Append one step's record (must hold `step`)."""
@@ -75,10 +72,7 @@ class MetricsLogger:
         clean = {key: _json_value(value) for key, value in record.items()}
         self._file.write(json.dumps(clean, sort_keys=True) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            for key, value in clean.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tensorboard.add_scalar(f"train/{key}", value, clean["step"])
+        self._track(clean, "train")
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix_str(
@@ -94,12 +88,17 @@ class MetricsLogger:
         clean = {key: _json_value(value) for key, value in record.items()}
         with open(self.eval_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(clean, sort_keys=True) + "\n")
-        if self._tensorboard is not None:
-            for key, value in clean.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tensorboard.add_scalar(f"eval/{key}", value, clean["step"])
+        self._track(clean, "eval")
         self.message(f"eval step {clean['step']}: " + ", ".join(
             f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in clean.items() if k != "step"))
+
+    def _track(self, record: dict, prefix: str) -> None:
+        if self._trackers:
+            from trainer.trackers import tracker_values
+
+            values = tracker_values(record, prefix)
+            for tracker in self._trackers:
+                tracker.log(values, record["step"])
 
     def message(self, text: str) -> None:
         """A line on stderr that does not break the progress bar."""
@@ -116,6 +115,6 @@ class MetricsLogger:
         self._file.close()
         if self._bar is not None:
             self._bar.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close()
 

@@ -1,4 +1,6 @@
-"""The student: build it on the meta device, wrap it with the loss, shard it with FSDP2, fill it, export it.
+"""The student: build it on the meta device, wrap it with the loss, shard it with FSDP2, fill it.
+
+Its HF export: `trainer/export.py`.
 
 Under FSDP2 a parameter is whole only inside the forward of the module group that owns it. The
 chunked CSD loss needs the whole LM-head weight and the final hidden states, so the student is
@@ -13,16 +15,11 @@ This module imports torch at the top: only the training entry point imports it, 
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.files import replace_directory, tmp_path
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class StudentWithLoss(torch.nn.Module):
@@ -271,51 +268,3 @@ def shard_student(wrapper, device, param_dtype) -> None:
     for layer in wrapper.decoder_layers():
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(wrapper, mesh=mesh, mp_policy=policy)  # also moves parameters and buffers to the mesh device
-
-
-def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, is_main: bool) -> None:
-    """Write the student as an HF model (safetensors) plus its tokenizer files into `output_dir`.
-
-    Collective: every rank must call it (the full state dict is gathered to rank 0). Written to a
-    `*.tmp` folder next to `output_dir`, then put in its place.
-    """
-    import transformers
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(wrapper.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not is_main:
-        return
-    output_dir = Path(output_dir)
-    tmp = tmp_path(output_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    config = wrapper.model.config
-    with torch.device("meta"):
-        fresh = transformers.AutoModelForCausalLM.from_config(config)
-    fresh.load_state_dict(state, strict=True, assign=True)
-    fresh.tie_weights()
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress bar is on stderr
-    fresh.save_pretrained(tmp, safe_serialization=True)
-    save_tokenizer(tokenizer_source, tmp)
-    replace_directory(tmp, output_dir)
-
-
-def save_tokenizer(source: str, output_dir: Path) -> None:
-    """Copy the student tokenizer's files byte for byte (so its fingerprint is unchanged)."""
-    from csd_pipeline.fixtures.names import resolve_model_arg, resolve_tokenizer_arg
-
-    path = Path(resolve_model_arg(resolve_tokenizer_arg(source)))
-    if path.is_file():
-        shutil.copyfile(path, output_dir / "tokenizer.json")
-        siblings = [path.parent / name for name in TOKENIZER_FILES[1:]]
-    elif path.is_dir():
-        siblings = [path / name for name in TOKENIZER_FILES]
-    else:  # a hub name
-        import transformers
-
-        transformers.AutoTokenizer.from_pretrained(source).save_pretrained(output_dir)
-        return
-    for sibling in siblings:
-        if sibling.is_file():
-            shutil.copyfile(sibling, output_dir / sibling.name)
