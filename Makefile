@@ -16,7 +16,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers gpu-check lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained gpu-check lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench-quality  what CSD buys in held-out bits per byte (about an hour)"
 	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 3 hours)"
 	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (about 3 hours)"
+	@echo "make bench-pretrained  CSD for a pretrained SmolLM2 on five languages from Gemma 3 (BENCH_ARGS: arms, seeds)"
 	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
@@ -71,6 +72,11 @@ bench-quality: fixtures
 # two runs side by side, one thread each: more runs per hour than one run on both cores (docs/RESULTS.md)
 bench-compare: fixtures
 	$(PY) bench/bench_quality.py --comparison --jobs 2
+
+# BENCH_ARGS: e.g. --arms "ce,csd kl b1 t1.5" --seeds 0,1,2 (bench/bench_pretrained.py --help)
+BENCH_ARGS ?= --jobs 2
+bench-pretrained: fixtures
+	$(PY) bench/bench_pretrained.py $(BENCH_ARGS)
 
 bench-teachers: fixtures
 	$(PY) bench/bench_teachers.py --jobs 2
