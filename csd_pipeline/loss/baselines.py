@@ -40,12 +40,12 @@ from csd_pipeline.loss.csd import (
     DIVERGENCES,
     KdTerm,
     LossOutput,
-    _empty_metrics,
+    chunk_count_metrics,
     combine_losses,
     divergence_terms,
 )
 from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES
-from csd_pipeline.loss.token_logprobs import _accumulation_dtype, chunked_token_logprobs, dense_token_logprobs
+from csd_pipeline.loss.token_logprobs import accumulation_dtype, chunked_token_logprobs, dense_token_logprobs
 
 STRICT_TAIL_FLOOR = 1e-6
 _AUTO_ROW_ELEMENTS = 1 << 23  # student row elements per checkpointed chunk (32 MiB in float32)
@@ -132,11 +132,11 @@ def baseline_loss(
 
 def _rows_from_logits(logits, positions, fn, chain_s, teacher):
     rows = logits[positions]
-    return fn(rows.to(_accumulation_dtype(rows.dtype)), chain_s, teacher)
+    return fn(rows.to(accumulation_dtype(rows.dtype)), chain_s, teacher)
 
 
 def _hidden_rows(fn, hidden_rows, weight, chain_s, teacher):
-    return fn((hidden_rows @ weight.T).to(_accumulation_dtype(hidden_rows.dtype)), chain_s, teacher)
+    return fn((hidden_rows @ weight.T).to(accumulation_dtype(hidden_rows.dtype)), chain_s, teacher)
 
 
 def _rows_from_hidden(hidden, weight, positions, fn, chain_s, teacher):
@@ -156,7 +156,7 @@ def _kd_term(chain_logprobs, rows, ce_token, rows_of, size: int, options: dict):
     n = rows.num_chunks
     if n == 0:
         zero = chain_logprobs.sum() * 0
-        return KdTerm(zero, 0, _empty_metrics(rows)), zero
+        return KdTerm(zero, 0, chunk_count_metrics(rows)), zero
     dtype = chain_logprobs.dtype
     chain_s = torch.zeros(n, dtype=dtype, device=chain_logprobs.device).index_add(0, rows.chain_chunk, chain_logprobs)
     losses, tails, ce = [], [], []
@@ -171,7 +171,7 @@ def _kd_term(chain_logprobs, rows, ce_token, rows_of, size: int, options: dict):
         tails.append(tail.detach())
         ce.append(ce_lp)
     per_chunk = torch.cat(losses)
-    metrics = _empty_metrics(rows)
+    metrics = chunk_count_metrics(rows)
     metrics.update(
         events_per_chunk=float(torch.isfinite(rows.teacher_logp).sum()) / n,
         teacher_event_mass=torch.exp(rows.teacher_logp).sum(-1).mean().detach(),

@@ -158,7 +158,7 @@ def csd_divergence(
     device = final_logprobs.device
     if n_chunks == 0:
         zero = final_logprobs.sum() * 0 + chain_logprobs.sum() * 0
-        return KdTerm(zero, 0, _empty_metrics(events))
+        return KdTerm(zero, 0, chunk_count_metrics(events))
     chunk_of_event = events.event_chunk
     chain_sum = torch.zeros(n_chunks, dtype=dtype, device=device).index_add(
         0, events.chain_chunk, chain_logprobs.to(dtype)
@@ -182,7 +182,7 @@ def csd_divergence(
     chunk_weight = torch.where(
         is_one_to_one, torch.ones_like(per_chunk), torch.full_like(per_chunk, float(beta))
     )
-    metrics = _empty_metrics(events)
+    metrics = chunk_count_metrics(events)
     metrics.update(
         events_per_chunk=n_events / n_chunks,
         teacher_event_mass=torch.exp(log_mass_t).mean().detach(),
@@ -192,7 +192,9 @@ def csd_divergence(
     return KdTerm((chunk_weight * per_chunk).sum(), n_chunks, metrics)
 
 
-def _empty_metrics(events) -> dict:
+def chunk_count_metrics(events) -> dict:
+    """A KD term's chunk counts per shape (`chunks_1:1`, ...) and in all (`chunks`), of `BatchEvents` or any
+    batch with `shape_counts()` and `num_chunks`."""
     counts = events.shape_counts()
     return {f"chunks_{name}": counts[i] for i, name in enumerate(SHAPES)} | {"chunks": events.num_chunks}
 
