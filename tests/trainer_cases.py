@@ -79,11 +79,11 @@ def metrics(output: Path) -> list[dict]:
 
 def direct_first_batch_loss(config, **loss_options):
     """(loss, batch): the run's first batch and its loss at the initial weights, from dense float64 logits
-    without FSDP (`csd_loss`, or `baseline_loss` for a baseline `--loss`); `loss_options` go to the loss."""
+    without FSDP (the run's `--loss`, built with the `LossConfig` fields `loss_options` changed)."""
+    from dataclasses import replace
+
     import torch
 
-    from csd_pipeline.loss.baselines import baseline_loss
-    from csd_pipeline.loss.csd import csd_loss
     from trainer.data import TrainingData
     from trainer.model import build_student
 
@@ -95,13 +95,10 @@ def direct_first_batch_loss(config, **loss_options):
     with torch.no_grad():
         logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
                        use_cache=False).logits
-    common = {"ce_positions": batch.ce_positions, "ce_tokens": batch.ce_tokens, "teachers": batch.teachers,
-              "logits": logits.reshape(-1, logits.shape[-1]).double(),
-              "global_chunk_counts": [sum(batch.shape_counts[0])], "divergence": config.loss.divergence}
-    loss = config.loss
-    if loss.is_baseline:
-        return baseline_loss(loss.loss, **common, **loss.baseline_options(), **loss_options), batch
-    return csd_loss(**common, beta=loss.beta, **loss_options), batch
+    loss = replace(config.loss, **loss_options).build()
+    return loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
+                logits=logits.reshape(-1, logits.shape[-1]).double(),
+                global_chunk_counts=[sum(batch.shape_counts[0])]), batch
 
 
 def make_read_store(root: Path, chars: int = 24000, shard_bytes: int = 1000, top_k: int = 8) -> dict:

@@ -398,7 +398,7 @@ def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, ti
     from csd_pipeline.errors import CsdError
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from trainer.config import LossConfig
-    from trainer.data import _check_keep, _check_top_k
+    from trainer.data import _check_top_k
 
     out = tmp_path / "tail"
     assert run_stage(aligned, tiny_teacher, out, min_p=MIN_P, tail_samples=TAIL_SAMPLES).complete
@@ -442,8 +442,8 @@ def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, ti
     assert run_stage(aligned, tiny_teacher, other, min_p=MIN_P, tail_samples=TAIL_SAMPLES, sample_seed=1).complete
     assert output_bytes(other) != output_bytes(out)
     with pytest.raises(CsdError, match="--tail-samples"):
-        _check_keep(LossConfig(loss="gold"), output)
-    _check_keep(LossConfig(loss="csd"), output)
+        LossConfig(loss="gold").build().check_teacher(None, output)
+    LossConfig(loss="csd").build().check_teacher(None, output)
     with pytest.raises(CsdError, match="--tail-samples"):
         _check_top_k(4, output)
     _check_top_k(0, output)
@@ -462,7 +462,6 @@ def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from csd_pipeline.vocab.tables import load_table
     from trainer.config import LossConfig
-    from trainer.data import _check_keep
 
     out = tmp_path / "events"
     assert run_stage(aligned, tiny_teacher, out, keep="csd-events").complete
@@ -490,12 +489,12 @@ def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_
             chunks += a.num_chunks
     assert chunks > 0 and 1 in counts and max(counts) > 1 and sum(counts) == stored
     with pytest.raises(CsdError, match="--keep csd-events"):
-        _check_keep(LossConfig(loss="uld"), events)
-    _check_keep(LossConfig(loss="csd"), events)
-    _check_keep(LossConfig(loss="uld"), whole)
+        LossConfig(loss="uld").build().check_teacher(None, events)
+    LossConfig(loss="csd").build().check_teacher(None, events)
+    LossConfig(loss="uld").build().check_teacher(None, whole)
     with pytest.raises(CsdError, match="--spelling prefix"):  # it reads entries the store left out
-        _check_keep(LossConfig(loss="csd", spelling="prefix"), events)
-    _check_keep(LossConfig(loss="csd", spelling="prefix"), whole)
+        LossConfig(loss="csd", spelling="prefix").build().check_teacher(None, events)
+    LossConfig(loss="csd", spelling="prefix").build().check_teacher(None, whole)
 
 
 def test_version_1_output_is_still_read():
