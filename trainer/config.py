@@ -16,9 +16,9 @@ import typing
 from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.events.baseline_rows import TEACHER_CONTROLS
+from csd_pipeline.events.batch import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
-from csd_pipeline.loss.events import DEFAULT_SPELLING, SPELLING_MODES
-from csd_pipeline.loss.teacher_rows import TEACHER_CONTROLS
 from csd_pipeline.loss.token_logprobs import DEFAULT_KEEP_DTYPE, KEEP_DTYPES
 from csd_pipeline.loss.training import LOSSES
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES

@@ -4,7 +4,7 @@
 (`trainer.shuffle`: each a contiguous span of the epoch's shards, read one block of shards at a
 time, its rows permuted within the block); each lane packs its own windows greedily
 (`csd_pipeline.evaluation.packing`) and the rank takes micro-batches from its lanes in turn. CE
-targets and CSD events (`csd_pipeline.loss.events`) are built in data-loader worker processes:
+targets and CSD events (`csd_pipeline.events.batch`) are built in data-loader worker processes:
 worker w of W serves lanes w, w+W, ..., so each worker reads only its lanes' shards, and the
 stream is the same whatever the number of workers. Every micro-batch carries the rank's loader
 state after it (`trainer.data.rank_state`: each lane's epoch and rows consumed, and the next lane).
@@ -158,7 +158,7 @@ class _BatchBuilder:
 
     def contexts(self):
         if self._contexts is None:
-            from csd_pipeline.loss.event_context import EventContext
+            from csd_pipeline.events.context import EventContext
             from csd_pipeline.vocab.tables import load_table
 
             self._contexts = [
@@ -181,7 +181,7 @@ class _BatchBuilder:
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
-        from csd_pipeline.loss.events import ce_targets
+        from csd_pipeline.events.batch import ce_targets
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,
@@ -202,7 +202,7 @@ class _BatchBuilder:
 
     def _teacher_rows(self, t: int, index: int, windows: list[_Window]) -> list:
         """Teacher `t`'s rows of every window as the loss prepares them (`TrainingLoss.prepare_row`), row-local."""
-        from csd_pipeline.loss.teacher_rows import shuffle_teacher_rows
+        from csd_pipeline.events.baseline_rows import shuffle_teacher_rows
 
         spec = self.spec
         context = self.contexts()[t]

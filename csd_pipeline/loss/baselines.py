@@ -1,7 +1,7 @@
 """The baseline losses of `csd-train --loss uld|gold|strict`, from the same shards as CSD (docs/TRAINING.md).
 
 They read, per accepted chunk, the teacher's explicit entries at the chunk's final predictor
-position (the stored top-k plus the observed token, `loss.teacher_rows.ChunkRows`) and the
+position (the stored top-k plus the observed token, `events.baseline_rows.BaselineRows`) and the
 student's whole next-token row there. Student rows are formed a few at a time (`chunk_size`
 positions: logits = h W^T, log-softmax) under activation checkpointing, so memory stays bounded
 as for CSD's chunked gather; backward recomputes them.
@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.events.baseline_rows import BASELINE_LOSSES
 from csd_pipeline.loss.csd import (
     DIVERGENCES,
     KdTerm,
@@ -44,7 +45,6 @@ from csd_pipeline.loss.csd import (
     combine_losses,
     divergence_terms,
 )
-from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES
 from csd_pipeline.loss.token_logprobs import accumulation_dtype, chunked_token_logprobs, dense_token_logprobs
 
 STRICT_TAIL_FLOOR = 1e-6
@@ -73,7 +73,7 @@ def baseline_loss(
     """CE + the `kind` baseline KD term ("uld", "gold" or "strict") for one batch.
 
     Give either `hidden` [P, H] and `weight` [V, H] (checkpointed rows, memory O(chunk_size x V)) or
-    `logits` [P, V] (tests). teachers: one `ChunkRows` per teacher. divergence: GOLD's direct term
+    `logits` [P, V] (tests). teachers: one `BaselineRows` per teacher. divergence: GOLD's direct term
     (jsd: TRL's default generalized JSD with beta 0.5); strict_divergence: the strict loss's D;
     gold_matched_weight: w in [0, 1] (None: adaptive); strict_top_k: N (0: every shared class).
     Other arguments as `loss.csd.csd_loss`. Raises CsdError on bad options or inputs.

@@ -2,7 +2,7 @@
 
 The loss side of CSD only gathers the student's log-probabilities at (position, token) pairs
 (`loss.token_logprobs`) and sums them per chunk; every event was already enumerated on the CPU
-(`loss.row_events`).
+(`events.row_events`).
 
 - `csd_divergence(...)` turns gathered log-probs and a `BatchEvents` into the weighted sum of
   D(P_T, P_S) over the chunks (a `KdTerm`), vectorised (segment sums, no Python loop per chunk).
@@ -32,7 +32,7 @@ from schemas.aligned import SHAPES
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from csd_pipeline.loss.events import BatchEvents
+    from csd_pipeline.events.batch import BatchEvents
 
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 DEFAULT_DIVERGENCE = "jsd"  # the paper's
@@ -51,7 +51,7 @@ def check_divergence(divergence: str) -> None:
 
 
 # How several teachers' KD terms combine: a weighted sum of per-teacher means, or one teacher per group
-# of chunks (`loss.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
+# of chunks (`events.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
 KD_COMBINES = ("sum", "select")
 
 

@@ -102,7 +102,7 @@ class CsdLoss(TrainingLoss):
                            f"csd-events); use --spelling sum, or re-run `{TEACHER_RERUN}` with --keep top-k")
 
     def prepare_row(self, aligned_row, teacher_index, teacher_row, context, source=""):
-        from csd_pipeline.loss.row_events import build_row_events
+        from csd_pipeline.events.row_events import build_row_events
 
         return build_row_events(aligned_row, teacher_index, teacher_row, context, spelling=self.options["spelling"],
                                 only_1to1=self.name == "csd_1to1", source=source)
@@ -110,13 +110,13 @@ class CsdLoss(TrainingLoss):
     def select(self, rows_by_teacher, aligned_rows, teacher_indices):
         if self.options["kd_combine"] != "select":
             return rows_by_teacher
-        from csd_pipeline.loss.teacher_select import chunk_boundaries, select_windows
+        from csd_pipeline.events.teacher_select import chunk_boundaries, select_windows
 
         boundaries = [[chunk_boundaries(row, index) for row in aligned_rows] for index in teacher_indices]
         return select_windows(rows_by_teacher, boundaries)
 
     def collate(self, rows, row_offsets):
-        from csd_pipeline.loss.events import collate_events
+        from csd_pipeline.events.batch import collate_events
 
         return collate_events(rows, row_offsets)
 
@@ -161,15 +161,15 @@ class BaselineLoss(TrainingLoss):
         super().validate()
 
     def prepare_row(self, aligned_row, teacher_index, teacher_row, context, source=""):
-        from csd_pipeline.loss.teacher_rows import build_row_chunks
+        from csd_pipeline.events.baseline_rows import build_baseline_rows
 
-        return build_row_chunks(aligned_row, teacher_index, teacher_row, context, only_1to1=self.name == "strict",
+        return build_baseline_rows(aligned_row, teacher_index, teacher_row, context, only_1to1=self.name == "strict",
                                 source=source)
 
     def collate(self, rows, row_offsets):
-        from csd_pipeline.loss.teacher_rows import collate_chunk_rows
+        from csd_pipeline.events.baseline_rows import collate_baseline_rows
 
-        return collate_chunk_rows(rows, row_offsets)
+        return collate_baseline_rows(rows, row_offsets)
 
     def __call__(self, *, ce_positions, ce_tokens, teachers, hidden=None, weight=None, logits=None,
                  teacher_weights=None, global_ce_tokens=None, global_chunk_counts=None, kd_scale=None):

@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.evaluation.packing import check_window_length, pack, plan_rows
+from csd_pipeline.events.batch import ce_targets
 from csd_pipeline.fixtures.names import tokenizer_path
-from csd_pipeline.loss.events import ce_targets
 from csd_pipeline.vocab.vocabulary import load_tokenizer
 from trainer.config import LossConfig
 from trainer.model import StudentWithLoss
