@@ -20,17 +20,17 @@ STUDENT_CONFIG = {
 
 
 def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1,
-          shard_bytes: int = 2000) -> Path:
-    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`, shards of
-    about `shard_bytes` of text."""
+          shard_bytes: int = 2000, student_name: str = "llama-spm", teacher_name: str = "smollm2") -> Path:
+    """Run the align stage (`student_name` student, `teachers` x `teacher_name` teacher; fixture tokenizers) into
+    `output`, shards of about `shard_bytes` of text."""
     from csd_pipeline.align.stage import AlignConfig, run_align
     from csd_pipeline.fixtures.names import tokenizer_path
     from tests.csd_cases import bundle, cached_table_file
 
-    student, teacher = bundle(tokenizer_path, "llama-spm"), bundle(tokenizer_path, "smollm2")
+    student, teacher = bundle(tokenizer_path, student_name), bundle(tokenizer_path, teacher_name)
     tables = (cached_table_file(student, teacher), cached_table_file(teacher, student))  # built once, cached
-    run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
-                          teacher_tokenizers=["smollm2"] * teachers, output=str(output),
+    run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer=student_name,
+                          teacher_tokenizers=[teacher_name] * teachers, output=str(output),
                           max_student_tokens=max_student_tokens, tables=[tables] * teachers,
                           split_on_blank_lines=True, shard_bytes=shard_bytes))
     return output
@@ -63,10 +63,11 @@ def make_teacher_topk(aligned: Path, output: Path, top_k: int = 8) -> Path:
     return output
 
 
-def kd_run_args(data: dict, teacher: Path, output: Path, *extra: str, steps: int = 3) -> list[str]:
+def kd_run_args(data: dict, teacher: Path, output: Path, *extra: str, steps: int = 3,
+                student_tokenizer: str = "llama-spm") -> list[str]:
     """`csd-train` arguments for a short CSD/baseline run on `data["train_short"]` with the teacher top-k `teacher`."""
     return ["--aligned", str(data["train_short"]), "--teacher-logits", str(teacher), "--student-config",
-            str(data["student_config"]), "--student-tokenizer", "llama-spm", "--output", str(output), "--steps",
+            str(data["student_config"]), "--student-tokenizer", student_tokenizer, "--output", str(output), "--steps",
             str(steps), "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1",
             "--save-every", "0", "--workers", "0", "--no-progress", *extra]
 

@@ -136,8 +136,8 @@ class OptimizerConfig:
 class LossConfig:
     """CE alone or CE + CSD: the divergence, the chunk weights, the KD scale and the teachers' weights."""
 
-    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), or a baseline: uld, gold, "
-                            "strict (docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
+    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
+                            "or kd (same-tokenizer KD; docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
     divergence: str = _opt(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
     beta: float = _opt(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
     kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "

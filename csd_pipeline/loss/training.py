@@ -24,6 +24,7 @@ LOSSES = {
     "uld": "csd_pipeline.loss.training:BaselineLoss",
     "gold": "csd_pipeline.loss.training:BaselineLoss",
     "strict": "csd_pipeline.loss.training:BaselineLoss",
+    "kd": "csd_pipeline.loss.kd:KdLoss",
 }
 
 
