@@ -54,8 +54,8 @@ KEEP_SHARE = 1 / 3  # --loss-keep-mb of the chunked path: this share of the batc
 
 def _aligned_rows(total_tokens: int, quick: bool):
     """Aligned llama-bpe / qwen2 rows of real text with >= total_tokens student tokens."""
+    from csd_pipeline.events.context import EventContext
     from csd_pipeline.fixtures.names import tokenizer_path
-    from csd_pipeline.loss.event_context import EventContext
     from csd_pipeline.vocab.tables import build_table
     from csd_pipeline.vocab.vocabulary import load_tokenizer
     from tests.csd_cases import aligned_row
@@ -119,8 +119,8 @@ def _synthetic_topk(row: dict, rng, vocab: int) -> dict:
 def _build_events(positions: int, quick: bool) -> tuple[dict, dict]:
     import numpy as np
 
-    from csd_pipeline.loss.events import ce_targets, collate_events
-    from csd_pipeline.loss.row_events import build_row_events
+    from csd_pipeline.events.batch import ce_targets, collate_events
+    from csd_pipeline.events.row_events import build_row_events
 
     context, rows = _aligned_rows(positions, quick)
     rng = np.random.default_rng(0)

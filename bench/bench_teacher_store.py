@@ -138,8 +138,8 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
 
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.errors import CsdError
+    from csd_pipeline.events.context import EventContext
     from csd_pipeline.fixtures.names import model_path, tokenizer_path
-    from csd_pipeline.loss.event_context import EventContext
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.config import TeacherLogitsConfig
     from csd_pipeline.teacher.event_entries import event_selector

@@ -32,6 +32,8 @@ def _flat_grad(wrapper, loss):
 
 
 def diagnose(args) -> dict:
+    from dataclasses import replace
+
     import torch
 
     from trainer.config import TrainConfig
@@ -57,9 +59,9 @@ def diagnose(args) -> dict:
         tokens = int(len(batch.ce_positions))
         chunks = [sum(batch.shape_counts[0])]
         for divergence in ("jsd", "kl"):
-            out = wrapper(**inputs, global_ce_tokens=tokens, global_chunk_counts=chunks,
-                          teacher_weights=[1.0], divergence=divergence, beta=args.beta,
-                          teacher_temperature=args.teacher_temperature)
+            wrapper.loss = replace(config.loss, divergence=divergence, beta=args.beta,
+                                   teacher_temperature=args.teacher_temperature).build()
+            out = wrapper(**inputs, global_ce_tokens=tokens, global_chunk_counts=chunks, teacher_weights=[1.0])
             ce, kd = out["ce"], out["kd"]
             scale = kd_scale(float(ce.detach()), float(kd.detach()), config.loss)  # the trainer's dynamic scale
             g_ce = _flat_grad(wrapper, ce)

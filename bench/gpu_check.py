@@ -107,7 +107,7 @@ def topk_error(aligned_dir: Path, device: str, max_rows: int) -> dict:
         likely = max(likely, float(gaps[above].max(initial=0.0)))
         held += int(same.any(axis=1).sum())
         total += exact.ids.size
-        observed = max(observed, float(np.nanmax(np.abs(low.observed - exact.observed), initial=0.0)))
+        observed = max(observed, float(np.nanmax(np.abs(low.observed_logprob - exact.observed_logprob), initial=0.0)))
     return {"windows": len(rows), "positions": sum(len(r) for r in rows), "top_k": TOP_K,
             "largest_logprob_error_shared_ids": largest, "largest_logprob_error_p_above_1e-3": likely,
             "float32_topk_held_by_bf16": held / total,

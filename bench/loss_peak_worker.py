@@ -51,7 +51,7 @@ def load_events(path: str):
     """(ce_positions, ce_tokens, BatchEvents) from an .npz written by bench_loss (no pickle)."""
     import numpy as np
 
-    from csd_pipeline.loss.events import BatchEvents
+    from csd_pipeline.events.batch import BatchEvents
 
     data = np.load(path, allow_pickle=False)
     fields = [

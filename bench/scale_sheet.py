@@ -88,16 +88,18 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
     """Encode / decode positions per CPU-second and payload bytes per position, per setting: the
     teacher's top-128 on the first `positions` teacher positions of the aligned python-docs windows,
     each setting's entries chosen as `teacher-logits` chooses them (the event selection included)."""
+    from dataclasses import replace
+
     import numpy as np
     import torch
 
     from csd_pipeline.align.output import AlignedOutput
+    from csd_pipeline.events.context import EventContext
     from csd_pipeline.fixtures.names import model_path
-    from csd_pipeline.loss.event_context import EventContext
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.codec import decode_block, encode_block
     from csd_pipeline.teacher.event_entries import event_selector
-    from csd_pipeline.teacher.runner import RowTopk, TeacherRunner, kept_lengths
+    from csd_pipeline.teacher.runner import TeacherRunner, kept_lengths
     from csd_pipeline.vocab.tables import load_table
     from schemas.aligned import teacher_columns
 
@@ -129,12 +131,12 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
             drawn = tail_runner.run(rows)
             draw_seconds = max(time.process_time() - began - forward, 0.0) / count
         for index, result in enumerate(drawn):
-            row = result if samples else RowTopk(result.ids[:, :k], result.logprobs[:, :k], result.observed,
-                                                 result.finite, kept_lengths(result.logprobs[:, :k], top_p, min_p))
+            row = result if samples else replace(result, ids=result.ids[:, :k], logprobs=result.logprobs[:, :k],
+                                                 lengths=kept_lengths(result.logprobs[:, :k], top_p, min_p))
             chosen.append(select(index, row) if keep == "csd-events" else row)
         ids, logprobs = np.concatenate([r.ids for r in chosen]), np.concatenate([r.logprobs for r in chosen])
         lengths = np.concatenate([r.lengths for r in chosen])
-        observed = np.concatenate([r.observed for r in chosen])
+        observed = np.concatenate([r.observed_logprob for r in chosen])
         began = time.process_time()
         payload = encode_block(ids, logprobs, observed_ids, observed, lengths)
         encode = time.process_time() - began

@@ -137,7 +137,7 @@ def cached_table(source, destination):
 
 def event_context(tokenizer_path, student: str, teacher: str):
     """(student bundle, teacher bundle, EventContext) with both tables loaded once per session."""
-    from csd_pipeline.loss.event_context import EventContext
+    from csd_pipeline.events.context import EventContext
 
     key = (student, teacher)
     if key not in _CONTEXTS:

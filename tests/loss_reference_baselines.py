@@ -1,6 +1,6 @@
 """Float64, dense, brute-force references of the baseline losses (ULD, GOLD, strict), for tests.
 
-Deliberately independent of `csd_pipeline.loss.teacher_rows`, `baselines.py` and the tables:
+Deliberately independent of `csd_pipeline.events.baseline_rows`, `baselines.py` and the tables:
 
 - chunks come from a plain walk over the aligned row's chunk lengths and statuses;
 - shared spellings are found by scanning the raw bytes of both vocabularies (`ReferenceVocab.groups`);

@@ -20,17 +20,17 @@ STUDENT_CONFIG = {
 
 
 def align(corpus: list[Path], output: Path, max_student_tokens: int = 128, teachers: int = 1,
-          shard_bytes: int = 2000) -> Path:
-    """Run the align stage (llama-spm student, `teachers` x smollm2 teacher) into `output`, shards of
-    about `shard_bytes` of text."""
+          shard_bytes: int = 2000, student_name: str = "llama-spm", teacher_name: str = "smollm2") -> Path:
+    """Run the align stage (`student_name` student, `teachers` x `teacher_name` teacher; fixture tokenizers) into
+    `output`, shards of about `shard_bytes` of text."""
     from csd_pipeline.align.stage import AlignConfig, run_align
     from csd_pipeline.fixtures.names import tokenizer_path
     from tests.csd_cases import bundle, cached_table_file
 
-    student, teacher = bundle(tokenizer_path, "llama-spm"), bundle(tokenizer_path, "smollm2")
+    student, teacher = bundle(tokenizer_path, student_name), bundle(tokenizer_path, teacher_name)
     tables = (cached_table_file(student, teacher), cached_table_file(teacher, student))  # built once, cached
-    run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer="llama-spm",
-                          teacher_tokenizers=["smollm2"] * teachers, output=str(output),
+    run_align(AlignConfig(corpus=[str(c) for c in corpus], student_tokenizer=student_name,
+                          teacher_tokenizers=[teacher_name] * teachers, output=str(output),
                           max_student_tokens=max_student_tokens, tables=[tables] * teachers,
                           split_on_blank_lines=True, shard_bytes=shard_bytes))
     return output
@@ -63,10 +63,11 @@ def make_teacher_topk(aligned: Path, output: Path, top_k: int = 8) -> Path:
     return output
 
 
-def kd_run_args(data: dict, teacher: Path, output: Path, *extra: str, steps: int = 3) -> list[str]:
+def kd_run_args(data: dict, teacher: Path, output: Path, *extra: str, steps: int = 3,
+                student_tokenizer: str = "llama-spm") -> list[str]:
     """`csd-train` arguments for a short CSD/baseline run on `data["train_short"]` with the teacher top-k `teacher`."""
     return ["--aligned", str(data["train_short"]), "--teacher-logits", str(teacher), "--student-config",
-            str(data["student_config"]), "--student-tokenizer", "llama-spm", "--output", str(output), "--steps",
+            str(data["student_config"]), "--student-tokenizer", student_tokenizer, "--output", str(output), "--steps",
             str(steps), "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1",
             "--save-every", "0", "--workers", "0", "--no-progress", *extra]
 
@@ -79,11 +80,11 @@ def metrics(output: Path) -> list[dict]:
 
 def direct_first_batch_loss(config, **loss_options):
     """(loss, batch): the run's first batch and its loss at the initial weights, from dense float64 logits
-    without FSDP (`csd_loss`, or `baseline_loss` for a baseline `--loss`); `loss_options` go to the loss."""
+    without FSDP (the run's `--loss`, built with the `LossConfig` fields `loss_options` changed)."""
+    from dataclasses import replace
+
     import torch
 
-    from csd_pipeline.loss.baselines import baseline_loss
-    from csd_pipeline.loss.csd import csd_loss
     from trainer.data import TrainingData
     from trainer.model import build_student
 
@@ -95,13 +96,10 @@ def direct_first_batch_loss(config, **loss_options):
     with torch.no_grad():
         logits = model(input_ids=torch.as_tensor(batch.input_ids), position_ids=torch.as_tensor(batch.position_ids),
                        use_cache=False).logits
-    common = {"ce_positions": batch.ce_positions, "ce_tokens": batch.ce_tokens, "teachers": batch.teachers,
-              "logits": logits.reshape(-1, logits.shape[-1]).double(),
-              "global_chunk_counts": [sum(batch.shape_counts[0])], "divergence": config.loss.divergence}
-    loss = config.loss
-    if loss.is_baseline:
-        return baseline_loss(loss.loss, **common, **loss.baseline_options(), **loss_options), batch
-    return csd_loss(**common, beta=loss.beta, **loss_options), batch
+    loss = replace(config.loss, **loss_options).build()
+    return loss(ce_positions=batch.ce_positions, ce_tokens=batch.ce_tokens, teachers=batch.teachers,
+                logits=logits.reshape(-1, logits.shape[-1]).double(),
+                global_chunk_counts=[sum(batch.shape_counts[0])]), batch
 
 
 def make_read_store(root: Path, chars: int = 24000, shard_bytes: int = 1000, top_k: int = 8) -> dict:

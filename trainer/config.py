@@ -16,13 +16,13 @@ import typing
 from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.events.baseline_rows import TEACHER_CONTROLS
+from csd_pipeline.events.batch import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
-from csd_pipeline.loss.events import DEFAULT_SPELLING, SPELLING_MODES
-from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES, TEACHER_CONTROLS
 from csd_pipeline.loss.token_logprobs import DEFAULT_KEEP_DTYPE, KEEP_DTYPES
+from csd_pipeline.loss.training import LOSSES
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
 
-LOSSES = ("csd", "ce", "csd_1to1", *BASELINE_LOSSES)
 KD_SCALES = ("dynamic", "fixed", "ratio")
 
 
@@ -136,8 +136,8 @@ class OptimizerConfig:
 class LossConfig:
     """CE alone or CE + CSD: the divergence, the chunk weights, the KD scale and the teachers' weights."""
 
-    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), or a baseline: uld, gold, "
-                            "strict (docs/TRAINING.md)", trajectory=True, choices=LOSSES)
+    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
+                            "or kd (same-tokenizer KD; docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
     divergence: str = _opt(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
     beta: float = _opt(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
     kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
@@ -174,52 +174,29 @@ class LossConfig:
                                                     "or bfloat16 (twice the rows per MiB, rounded: "
                                                     "docs/TRAINING.md)", choices=KEEP_DTYPES)
 
-    @property
-    def uses_teachers(self) -> bool:
-        """Whether the loss has a KD term (every loss but `ce`)."""
-        return self.loss != "ce"
+    def build(self):
+        """The loss of this run (`csd_pipeline.loss.training.build_loss`), built from these options and validated."""
+        from csd_pipeline.loss.training import build_loss
 
-    @property
-    def only_1to1(self) -> bool:
-        """`csd_1to1` and `strict`: only 1:1 chunks enter the KD term."""
-        return self.loss in ("csd_1to1", "strict")
-
-    @property
-    def is_baseline(self) -> bool:
-        """uld, gold, strict: the KD term reads per-chunk teacher rows (`ChunkRows`), not CSD events."""
-        return self.loss in BASELINE_LOSSES
-
-    def baseline_options(self) -> dict:
-        """The options of the baseline losses (`csd_pipeline.loss.baselines.baseline_loss`)."""
-        return {"gold_matched_weight": self.gold_matched_weight, "strict_top_k": self.strict_top_k,
-                "strict_divergence": self.strict_divergence}
+        return build_loss(self.loss, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def validate(self) -> None:
         _check_choices(self)
         _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "loss_keep_mb", "strict_top_k"))
-        if self.kd_scale == "ratio" and (self.kd_weight > 1 or self.loss == "ce"):
+        if self.kd_scale == "ratio" and self.kd_weight > 1:
             raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.loss} "
                            f"and --kd-weight {self.kd_weight}")
         if self.gold_matched_weight is not None and not 0 <= self.gold_matched_weight <= 1:
             raise CsdError(f"--gold-matched-weight must be within [0, 1], got {self.gold_matched_weight}")
-        if self.is_baseline and self.teacher_temperature != 1:
-            raise CsdError(f"--teacher-temperature applies to the csd losses only; leave it at 1 with --loss {self.loss}")
         if not (self.teacher_temperature > 0 and math.isfinite(self.teacher_temperature)):
             raise CsdError(f"--teacher-temperature must be a positive number, got {self.teacher_temperature}")
+        self.build()  # what the loss itself refuses (`TrainingLoss.validate`)
         if self.kd_combine == "select":
-            self._check_select()
-
-    def _check_select(self) -> None:
-        """--kd-combine select: CSD events only, no control, and teachers named without weights."""
-        if self.is_baseline or self.teacher_control != "none":
-            what = f"--loss {self.loss}" if self.is_baseline else f"--teacher-control {self.teacher_control}"
-            raise CsdError(f"--kd-combine select works with the csd losses and real teacher rows, not with {what}; "
-                           "use --kd-combine sum")
-        weights = set(self.teacher_weights(0).values())
-        if not weights <= {0.0, 1.0}:
-            raise CsdError(f"--kd-combine select chooses one teacher per group of chunks and weighs none, but "
-                           f"--kd-teachers gives weights {sorted(weights)}; give each teacher weight 1 (0 leaves it "
-                           "out), or use --kd-combine sum")
+            weights = set(self.teacher_weights(0).values())
+            if not weights <= {0.0, 1.0}:
+                raise CsdError(f"--kd-combine select chooses one teacher per group of chunks and weighs none, but "
+                               f"--kd-teachers gives weights {sorted(weights)}; give each teacher weight 1 (0 leaves "
+                               "it out), or use --kd-combine sum")
 
     def teacher_weights(self, num_teachers: int) -> dict[int, float]:
         """Teacher index -> KD weight, from `--kd-teachers` (default: each of `num_teachers`, weight 1)."""
@@ -317,7 +294,7 @@ class TrainConfig:
         from trainer.trackers import check_installed
 
         check_installed(self.report_to)
-        if self.loss.uses_teachers and not self.data.teacher_logits:
+        if self.loss.build().uses_teachers and not self.data.teacher_logits:
             raise CsdError(f"--loss {self.loss.loss} needs teacher top-k: pass --teacher-logits DIR "
                            "(from `csd-pipeline teacher-logits`) or use --loss ce")
         self.teacher_weights()  # parses --kd-teachers

@@ -47,8 +47,9 @@ class TrainingData:
     """The checked inputs of a run and the factory of its loader."""
 
     def __init__(self, config, aligned: AlignedOutput, student_bundle, tokenizer_source: str,
-                 teachers: list[TeacherSource]):
+                 teachers: list[TeacherSource], loss):
         self.config = config
+        self.loss = loss  # the run's `csd_pipeline.loss.training.TrainingLoss`
         self.aligned = aligned
         self.student_bundle = student_bundle
         self.student_vocab = student_bundle.vocab
@@ -80,10 +81,11 @@ class TrainingData:
         if aligned.total_rows == 0:
             raise CsdError(f"aligned directory {aligned.directory} holds no rows; align a non-empty corpus with "
                            f"`{ALIGN_RERUN}`")
-        teachers = _open_teachers(config, aligned) if config.loss.uses_teachers else []
+        loss = config.loss.build()
+        teachers = _open_teachers(config, aligned, loss) if loss.uses_teachers else []
         for teacher in teachers:
             aligned.tables(teacher.index)  # every table matches the aligned tokenizers, before training starts
-        return cls(config, aligned, bundle, tokenizer_source, teachers)
+        return cls(config, aligned, bundle, tokenizer_source, teachers, loss)
 
     def loader(self, rank: int, world: int, state: dict | None):
         """This rank's endless stream of `MicroBatch`es, from loader `state` (None: the start)."""
@@ -103,10 +105,10 @@ class TrainingData:
             teacher_indices=[t.index for t in self.teachers],
             tables=[tuple(str(p) for p in self.aligned.tables(t.index)) for t in self.teachers],
             seed=self.config.seed, shuffle_block=data.shuffle_block, seq_len=data.seq_len,
-            batch_size=data.batch_size, spelling=loss.spelling, only_1to1=loss.only_1to1,
+            batch_size=data.batch_size, loss=self.loss,
             rank=rank, world=world, lanes=lanes, lane_states=state["lanes"], next_lane=state["next_lane"], pad_id=self.pad_id(),
             teacher_top_k=loss.teacher_top_k, teacher_cache_bytes=data.teacher_cache_mb << 20,
-            baseline=loss.is_baseline, teacher_control=loss.teacher_control, kd_combine=loss.kd_combine,
+            teacher_control=loss.teacher_control,
         )
         return BatchLoader(spec, data.workers)
 
@@ -118,7 +120,7 @@ class TrainingData:
         return 0
 
 
-def _open_teachers(config, aligned: AlignedOutput) -> list[TeacherSource]:
+def _open_teachers(config, aligned: AlignedOutput, loss) -> list[TeacherSource]:
     """The active teachers of `--teacher-logits` / `--kd-teachers`, each checked against the aligned data."""
     by_index: dict[int, TeacherTopkOutput] = {}
     for directory in config.data.teacher_logits:
@@ -140,7 +142,7 @@ def _open_teachers(config, aligned: AlignedOutput) -> list[TeacherSource]:
                            f"(given: {sorted(by_index)}); add its directory or drop it from --kd-teachers")
         if weight > 0:
             _check_top_k(config.loss.teacher_top_k, by_index[index])
-            _check_keep(config.loss, by_index[index])
+            loss.check_teacher(aligned, by_index[index])
             teachers.append(TeacherSource(index, by_index[index], weight))
     return teachers
 
@@ -155,22 +157,6 @@ def _check_top_k(wanted: int, output: TeacherTopkOutput) -> None:
     if wanted and stored is not None and wanted > int(stored):
         raise CsdError(f"--teacher-top-k {wanted} is more than the {stored} entries per position stored in "
                        f"{output.directory}; pass at most {stored} (0: all), or re-run `{TEACHER_RERUN}` with --top-k {wanted}")
-
-
-def _check_keep(loss, output: TeacherTopkOutput) -> None:
-    """The baselines compare whole next-token rows: they cannot read a store of only the CSD events."""
-    if loss.is_baseline and output.keep == "csd-events":
-        raise CsdError(f"--loss {loss.loss} compares the teacher's whole top-k, but {output.directory} keeps only the "
-                       f"entries CSD turns into events (teacher-logits --keep csd-events); use a --loss csd* arm, or "
-                       f"re-run `{TEACHER_RERUN}` with --keep top-k for this baseline")
-    if loss.spelling == "prefix" and output.keep == "csd-events":
-        raise CsdError(f"--spelling prefix also reads teacher entries that extend a common spelling, but {output.directory} "
-                       f"keeps only the entries of the sum rule (teacher-logits --keep csd-events); use --spelling sum, "
-                       f"or re-run `{TEACHER_RERUN}` with --keep top-k")
-    if loss.is_baseline and output.tail_samples:
-        raise CsdError(f"--loss {loss.loss} reads stored values as the teacher's log-probabilities, but {output.directory} "
-                       f"holds --tail-samples draws at estimated values; use a --loss csd* arm, or re-run "
-                       f"`{TEACHER_RERUN}` without --tail-samples for this baseline")
 
 
 def _check_state(state: dict | None, lanes: int) -> dict:

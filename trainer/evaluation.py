@@ -20,8 +20,11 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
     """
     import torch
 
+    from csd_pipeline.loss.training import cross_entropy_only
     from csd_pipeline.runtime import progress
     from trainer import distributed
+
+    ce_only = cross_entropy_only(chunk_size)
 
     batches = list(eval_batches(aligned_dir, "student", seq_len=seq_len, batch_size=batch_size,
                                 max_rows=max_rows, rank=ctx.rank, world=ctx.world,
@@ -44,7 +47,7 @@ def bits_per_byte_fsdp(wrapper, aligned_dir, ctx, *, seq_len: int, batch_size: i
             out = wrapper(torch.as_tensor(input_ids, device=ctx.device),
                           torch.as_tensor(position_ids, device=ctx.device),
                           torch.as_tensor(positions, device=ctx.device), torch.as_tensor(tokens, device=ctx.device),
-                          global_ce_tokens=1.0, chunk_size=chunk_size)
+                          global_ce_tokens=1.0, loss=ce_only)
             nats += float(out["ce"])  # divided by 1: the sum of -log p
             n_bytes += text_bytes
             n_tokens += len(tokens)

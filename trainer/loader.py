@@ -4,7 +4,7 @@
 (`trainer.shuffle`: each a contiguous span of the epoch's shards, read one block of shards at a
 time, its rows permuted within the block); each lane packs its own windows greedily
 (`csd_pipeline.evaluation.packing`) and the rank takes micro-batches from its lanes in turn. CE
-targets and CSD events (`csd_pipeline.loss.events`) are built in data-loader worker processes:
+targets and CSD events (`csd_pipeline.events.batch`) are built in data-loader worker processes:
 worker w of W serves lanes w, w+W, ..., so each worker reads only its lanes' shards, and the
 stream is the same whatever the number of workers. Every micro-batch carries the rank's loader
 state after it (`trainer.data.rank_state`: each lane's epoch and rows consumed, and the next lane).
@@ -37,7 +37,7 @@ class MicroBatch:
     position_ids: np.ndarray
     ce_positions: np.ndarray
     ce_tokens: np.ndarray
-    teachers: list                 # BatchEvents per active teacher
+    teachers: list                 # per active teacher: its rows as the loss collates them (`TrainingLoss.collate`)
     shape_counts: list[list[int]]  # per active teacher: accepted chunks per shape (schemas.aligned.SHAPES)
     content_tokens: int
     padding_tokens: int
@@ -58,8 +58,7 @@ class LoaderSpec:
     shuffle_block: int
     seq_len: int
     batch_size: int
-    spelling: str
-    only_1to1: bool
+    loss: object                   # the run's `TrainingLoss`: prepares each teacher's rows (loss.training)
     rank: int
     world: int
     lanes: int                     # lanes per rank (`trainer.shuffle.lanes_per_rank`)
@@ -68,9 +67,7 @@ class LoaderSpec:
     pad_id: int
     teacher_top_k: int = 0
     teacher_cache_bytes: int = 0  # decoded teacher blocks kept per worker, over all teachers and open shards
-    baseline: bool = False         # uld, gold, strict: per-chunk rows (ChunkRows) instead of CSD events
     teacher_control: str = "none"  # shuffled: the batch's teacher rows given to other positions
-    kd_combine: str = "sum"        # select: per group of chunks, only the chosen teacher's chunks (loss.teacher_select)
 
 
 @dataclass
@@ -161,7 +158,7 @@ class _BatchBuilder:
 
     def contexts(self):
         if self._contexts is None:
-            from csd_pipeline.loss.event_context import EventContext
+            from csd_pipeline.events.context import EventContext
             from csd_pipeline.vocab.tables import load_table
 
             self._contexts = [
@@ -184,8 +181,7 @@ class _BatchBuilder:
         return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
-        from csd_pipeline.loss.events import ce_targets, collate_events
-        from csd_pipeline.loss.teacher_rows import collate_chunk_rows
+        from csd_pipeline.events.batch import ce_targets
 
         spec = self.spec
         packed = pack([w.columns["student_ids"] for w in windows], placements, spec.seq_len, spec.batch_size,
@@ -194,13 +190,8 @@ class _BatchBuilder:
         ce_positions, ce_tokens = ce_targets([w.columns["student_ids"] for w in windows],
                                              [w.columns["student_loss_mask"] for w in windows], offsets)
         rows_by_teacher = [self._teacher_rows(t, index, windows) for t, index in enumerate(spec.teacher_indices)]
-        if spec.kd_combine == "select" and not spec.baseline:
-            from csd_pipeline.loss.teacher_select import chunk_boundaries, select_windows
-
-            boundaries = [[chunk_boundaries(w.columns, index) for w in windows] for index in spec.teacher_indices]
-            rows_by_teacher = select_windows(rows_by_teacher, boundaries)
-        teachers = [collate_chunk_rows(rows, offsets) if spec.baseline else collate_events(rows, offsets)
-                    for rows in rows_by_teacher]
+        rows_by_teacher = spec.loss.select(rows_by_teacher, [w.columns for w in windows], spec.teacher_indices)
+        teachers = [spec.loss.collate(rows, offsets) for rows in rows_by_teacher]
         shapes = [events.shape_counts() for events in teachers]
         return MicroBatch(
             input_ids=packed.input_ids, position_ids=packed.position_ids, ce_positions=ce_positions,
@@ -210,9 +201,8 @@ class _BatchBuilder:
         )
 
     def _teacher_rows(self, t: int, index: int, windows: list[_Window]) -> list:
-        """Teacher `t`'s events (or, for a baseline, `ChunkRows`) of every window, row-local."""
-        from csd_pipeline.loss.row_events import build_row_events
-        from csd_pipeline.loss.teacher_rows import build_row_chunks, shuffle_teacher_rows
+        """Teacher `t`'s rows of every window as the loss prepares them (`TrainingLoss.prepare_row`), row-local."""
+        from csd_pipeline.events.baseline_rows import shuffle_teacher_rows
 
         spec = self.spec
         context = self.contexts()[t]
@@ -222,12 +212,7 @@ class _BatchBuilder:
             rng = np.random.default_rng([spec.seed, spec.rank, windows[0].lane, t, first["epoch"], first["position"]])
             topks = shuffle_teacher_rows(topks, rng)
         # A rejected teacher row (non-finite values) gives no events or rows (CE only) and is counted.
-        if spec.baseline:
-            return [build_row_chunks(w.columns, index, topk, context, only_1to1=spec.only_1to1,
-                                     source=spec.aligned.shards[w.shard].file)
-                    for w, topk in zip(windows, topks, strict=True)]
-        return [build_row_events(w.columns, index, topk, context, spelling=spec.spelling, only_1to1=spec.only_1to1,
-                                 source=spec.aligned.shards[w.shard].file)
+        return [spec.loss.prepare_row(w.columns, index, topk, context, source=spec.aligned.shards[w.shard].file)
                 for w, topk in zip(windows, topks, strict=True)]
 
 

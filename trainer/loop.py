@@ -97,7 +97,7 @@ def build_components(config: TrainConfig, ctx):
 
     data = TrainingData.open(config)
     wrapper = build_sharded_student(config.student, config.seed, data.student_vocab.size, ctx,
-                                    resolve_dtype(config.student.dtype, ctx.device))
+                                    resolve_dtype(config.student.dtype, ctx.device), data.loss)
     optimizer, scheduler = build_optimizer(wrapper, config.optimizer)
     return data, wrapper, optimizer, scheduler
 
@@ -233,11 +233,6 @@ class StepCounts:
         """Per teacher: accepted KD chunks (each teacher's KD term is divided by its count)."""
         return [sum(c) for c in self.shapes]
 
-    def kd_denominators(self, kd_combine: str) -> list[float]:
-        """What each teacher's divergence sum is divided by: its own chunk count (sum), or the chunks kept
-        over all teachers (select: KD is one mean over the kept chunks)."""
-        return [sum(self.chunks)] * len(self.shapes) if kd_combine == "select" else self.chunks
-
     @classmethod
     def all_reduce(cls, micro: list, n_teachers: int, device) -> StepCounts:
         local = [sum(len(m.ce_positions) for m in micro), sum(m.content_tokens for m in micro),
@@ -278,11 +273,7 @@ def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights:
             "diagnostics": [0.0] * (n_teachers * (len(LOSS_DIAGNOSTICS) + 1))}
     for batch in micro:
         out = wrapper(**_to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
-                      global_chunk_counts=counts.kd_denominators(loss.kd_combine), teacher_weights=teacher_weights,
-                      divergence=loss.divergence, beta=loss.beta, teacher_temperature=loss.teacher_temperature,
-                      chunk_size=loss.loss_chunk_size or None, keep_bytes=loss.loss_keep_mb << 20,
-                      keep_dtype=loss.loss_keep_dtype, loss_kind=loss.loss,
-                      baseline=loss.baseline_options())
+                      global_chunk_counts=wrapper.loss.kd_denominators(counts.chunks), teacher_weights=teacher_weights)
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]
         pieces += _diagnostics(out["metrics"], n_teachers)

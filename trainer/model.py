@@ -23,17 +23,19 @@ from csd_pipeline.errors import CsdError
 
 
 class StudentWithLoss(torch.nn.Module):
-    """A causal LM whose forward returns the CSD loss pieces instead of logits.
+    """A causal LM whose forward returns the loss pieces of its `loss` instead of logits.
 
-    forward(input_ids [B,S], position_ids [B,S], ce_positions [G], ce_tokens [G], teachers,
-    **loss options of `csd_pipeline.loss.csd.csd_loss`, with their defaults) -> dict with `ce` and
-    `kd` (0-dim, already divided by the global counts) and `metrics` (detached). The combination
-    with the dynamic scale happens in the loop, which knows the all-rank values.
+    forward(input_ids [B,S], position_ids [B,S], ce_positions [G], ce_tokens [G], teachers (one collated batch
+    per teacher), *, global_ce_tokens, global_chunk_counts, teacher_weights) -> dict with `ce` and `kd` (0-dim,
+    already divided by the global counts) and `metrics` (detached). `loss`: the run's `TrainingLoss`
+    (`csd_pipeline.loss.training`). The combination with the dynamic scale happens in the loop, which knows
+    the all-rank values.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, loss=None):
         super().__init__()
         self.model = model
+        self.loss = loss
 
     def decoder_layers(self):
         """The ModuleList of transformer blocks (each gets its own FSDP2 group)."""
@@ -48,26 +50,17 @@ class StudentWithLoss(torch.nn.Module):
         )
 
     def forward(self, input_ids, position_ids, ce_positions, ce_tokens, teachers=(), *, global_ce_tokens,
-                loss_kind="csd", baseline=None, **loss_options):
-        """CE and KD of one micro-batch: CSD over `teachers`' events, or with `loss_kind` uld, gold or
-        strict a baseline over their `ChunkRows` (`baseline`: its options)."""
-        from csd_pipeline.loss.baselines import BASELINE_LOSSES, baseline_loss
-        from csd_pipeline.loss.csd import csd_loss
-
+                global_chunk_counts=None, teacher_weights=None, loss=None):
+        """CE and KD of one micro-batch, from the decoder's last hidden states and the LM head (`loss`: another
+        `TrainingLoss` than the run's, e.g. the CE alone of the held-out evaluation)."""
         hidden = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
-        if loss_kind in BASELINE_LOSSES:
-            for key in ("beta", "teacher_temperature", "keep_bytes", "keep_dtype"):  # CSD-only options
-                loss_options.pop(key, None)
-            out = baseline_loss(loss_kind, ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers,
-                                hidden=hidden, weight=weight, global_ce_tokens=global_ce_tokens, kd_scale=0.0,
-                                **loss_options, **(baseline or {}))
-            return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
-        out = csd_loss(ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
-                       weight=weight, global_ce_tokens=global_ce_tokens, kd_scale=0.0, **loss_options)
+        out = (loss or self.loss)(ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
+                        weight=weight, global_ce_tokens=global_ce_tokens, global_chunk_counts=global_chunk_counts,
+                        teacher_weights=teacher_weights, kd_scale=0.0)
         return {"ce": out.ce, "kd": out.kd, "metrics": out.metrics}
 
 
@@ -170,20 +163,21 @@ def build_student(options, seed: int, tokenizer_size: int):
     return _finish(model, options, tokenizer_size)
 
 
-def build_sharded_student(options, seed: int, tokenizer_size: int, ctx, param_dtype) -> StudentWithLoss:
+def build_sharded_student(options, seed: int, tokenizer_size: int, ctx, param_dtype, loss=None) -> StudentWithLoss:
     """The student for training: built on the meta device, sharded with FSDP2, then materialised.
 
     As torchtitan does: every rank builds the model on the meta device (no memory), `fully_shard`s
     it (`shard_student`), allocates only its own shards on `ctx.device` (`to_empty`), then fills
     them. The weights come from rank 0, which alone builds the whole student on the CPU
     (`build_student`: the seeded initialisation or the `--student` weights) and scatters them,
-    so a run starts from exactly the weights `build_student` gives. Collective; raises `CsdError`
+    so a run starts from exactly the weights `build_student` gives. `loss`: the run's `TrainingLoss`, which the
+    wrapper's forward computes. Collective; raises `CsdError`
     on every rank when rank 0 could not build the student.
     """
     hf_config = student_architecture(options)
     with torch.device("meta"):
         model = _finish(_causal_lm_from_config(options, hf_config), options, tokenizer_size)
-    wrapper = StudentWithLoss(model)
+    wrapper = StudentWithLoss(model, loss)
     shard_student(wrapper, ctx.device, param_dtype)
     wrapper.to_empty(device=ctx.device)
     source, failure = None, None

@@ -6,7 +6,7 @@ has `batch_size` rows and the next window does not fit; that window is *not* con
 loader state after a batch is simply "the next window to read". Positions restart at 0 in every
 window (and in the padding), which is how the model separates them: transformers turns
 restarting `position_ids` into a block-diagonal causal mask (sdpa / eager / flex) or varlen
-attention (flash). CE targets (`csd_pipeline.loss.events.ce_targets`) are built per window, so they
+attention (flash). CE targets (`csd_pipeline.events.batch.ce_targets`) are built per window, so they
 never cross a window boundary. The trainer's data loader and the bits-per-byte evaluation pack
 alike with it.
 """

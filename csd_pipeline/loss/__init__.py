@@ -1,1 +1,1 @@
-"""CSD events per chunk (CPU) and the CSD loss (torch)."""
+"""The losses (torch): CSD, the baselines, KD, the chunked student log-probs, and the loss a run builds once (`training.py`)."""

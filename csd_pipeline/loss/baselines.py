@@ -1,7 +1,7 @@
 """The baseline losses of `csd-train --loss uld|gold|strict`, from the same shards as CSD (docs/TRAINING.md).
 
 They read, per accepted chunk, the teacher's explicit entries at the chunk's final predictor
-position (the stored top-k plus the observed token, `loss.teacher_rows.ChunkRows`) and the
+position (the stored top-k plus the observed token, `events.baseline_rows.BaselineRows`) and the
 student's whole next-token row there. Student rows are formed a few at a time (`chunk_size`
 positions: logits = h W^T, log-softmax) under activation checkpointing, so memory stays bounded
 as for CSD's chunked gather; backward recomputes them.
@@ -36,16 +36,16 @@ from collections.abc import Sequence
 from functools import partial
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.events.baseline_rows import BASELINE_LOSSES
 from csd_pipeline.loss.csd import (
     DIVERGENCES,
     KdTerm,
     LossOutput,
-    _empty_metrics,
+    chunk_count_metrics,
     combine_losses,
     divergence_terms,
 )
-from csd_pipeline.loss.teacher_rows import BASELINE_LOSSES
-from csd_pipeline.loss.token_logprobs import _accumulation_dtype, chunked_token_logprobs, dense_token_logprobs
+from csd_pipeline.loss.token_logprobs import accumulation_dtype, chunked_token_logprobs, dense_token_logprobs
 
 STRICT_TAIL_FLOOR = 1e-6
 _AUTO_ROW_ELEMENTS = 1 << 23  # student row elements per checkpointed chunk (32 MiB in float32)
@@ -73,7 +73,7 @@ def baseline_loss(
     """CE + the `kind` baseline KD term ("uld", "gold" or "strict") for one batch.
 
     Give either `hidden` [P, H] and `weight` [V, H] (checkpointed rows, memory O(chunk_size x V)) or
-    `logits` [P, V] (tests). teachers: one `ChunkRows` per teacher. divergence: GOLD's direct term
+    `logits` [P, V] (tests). teachers: one `BaselineRows` per teacher. divergence: GOLD's direct term
     (jsd: TRL's default generalized JSD with beta 0.5); strict_divergence: the strict loss's D;
     gold_matched_weight: w in [0, 1] (None: adaptive); strict_top_k: N (0: every shared class).
     Other arguments as `loss.csd.csd_loss`. Raises CsdError on bad options or inputs.
@@ -132,11 +132,11 @@ def baseline_loss(
 
 def _rows_from_logits(logits, positions, fn, chain_s, teacher):
     rows = logits[positions]
-    return fn(rows.to(_accumulation_dtype(rows.dtype)), chain_s, teacher)
+    return fn(rows.to(accumulation_dtype(rows.dtype)), chain_s, teacher)
 
 
 def _hidden_rows(fn, hidden_rows, weight, chain_s, teacher):
-    return fn((hidden_rows @ weight.T).to(_accumulation_dtype(hidden_rows.dtype)), chain_s, teacher)
+    return fn((hidden_rows @ weight.T).to(accumulation_dtype(hidden_rows.dtype)), chain_s, teacher)
 
 
 def _rows_from_hidden(hidden, weight, positions, fn, chain_s, teacher):
@@ -156,7 +156,7 @@ def _kd_term(chain_logprobs, rows, ce_token, rows_of, size: int, options: dict):
     n = rows.num_chunks
     if n == 0:
         zero = chain_logprobs.sum() * 0
-        return KdTerm(zero, 0, _empty_metrics(rows)), zero
+        return KdTerm(zero, 0, chunk_count_metrics(rows)), zero
     dtype = chain_logprobs.dtype
     chain_s = torch.zeros(n, dtype=dtype, device=chain_logprobs.device).index_add(0, rows.chain_chunk, chain_logprobs)
     losses, tails, ce = [], [], []
@@ -171,7 +171,7 @@ def _kd_term(chain_logprobs, rows, ce_token, rows_of, size: int, options: dict):
         tails.append(tail.detach())
         ce.append(ce_lp)
     per_chunk = torch.cat(losses)
-    metrics = _empty_metrics(rows)
+    metrics = chunk_count_metrics(rows)
     metrics.update(
         events_per_chunk=float(torch.isfinite(rows.teacher_logp).sum()) / n,
         teacher_event_mass=torch.exp(rows.teacher_logp).sum(-1).mean().detach(),

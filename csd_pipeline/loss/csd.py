@@ -2,7 +2,7 @@
 
 The loss side of CSD only gathers the student's log-probabilities at (position, token) pairs
 (`loss.token_logprobs`) and sums them per chunk; every event was already enumerated on the CPU
-(`loss.row_events`).
+(`events.row_events`).
 
 - `csd_divergence(...)` turns gathered log-probs and a `BatchEvents` into the weighted sum of
   D(P_T, P_S) over the chunks (a `KdTerm`), vectorised (segment sums, no Python loop per chunk).
@@ -32,7 +32,7 @@ from schemas.aligned import SHAPES
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from csd_pipeline.loss.events import BatchEvents
+    from csd_pipeline.events.batch import BatchEvents
 
 DIVERGENCES = ("jsd", "kl", "reverse_kl")
 DEFAULT_DIVERGENCE = "jsd"  # the paper's
@@ -51,7 +51,7 @@ def check_divergence(divergence: str) -> None:
 
 
 # How several teachers' KD terms combine: a weighted sum of per-teacher means, or one teacher per group
-# of chunks (`loss.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
+# of chunks (`events.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
 KD_COMBINES = ("sum", "select")
 
 
@@ -158,7 +158,7 @@ def csd_divergence(
     device = final_logprobs.device
     if n_chunks == 0:
         zero = final_logprobs.sum() * 0 + chain_logprobs.sum() * 0
-        return KdTerm(zero, 0, _empty_metrics(events))
+        return KdTerm(zero, 0, chunk_count_metrics(events))
     chunk_of_event = events.event_chunk
     chain_sum = torch.zeros(n_chunks, dtype=dtype, device=device).index_add(
         0, events.chain_chunk, chain_logprobs.to(dtype)
@@ -182,7 +182,7 @@ def csd_divergence(
     chunk_weight = torch.where(
         is_one_to_one, torch.ones_like(per_chunk), torch.full_like(per_chunk, float(beta))
     )
-    metrics = _empty_metrics(events)
+    metrics = chunk_count_metrics(events)
     metrics.update(
         events_per_chunk=n_events / n_chunks,
         teacher_event_mass=torch.exp(log_mass_t).mean().detach(),
@@ -192,7 +192,9 @@ def csd_divergence(
     return KdTerm((chunk_weight * per_chunk).sum(), n_chunks, metrics)
 
 
-def _empty_metrics(events) -> dict:
+def chunk_count_metrics(events) -> dict:
+    """A KD term's chunk counts per shape (`chunks_1:1`, ...) and in all (`chunks`), of `BatchEvents` or any
+    batch with `shape_counts()` and `num_chunks`."""
     counts = events.shape_counts()
     return {f"chunks_{name}": counts[i] for i, name in enumerate(SHAPES)} | {"chunks": events.num_chunks}
 

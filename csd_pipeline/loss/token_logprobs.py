@@ -46,7 +46,8 @@ _AUTO_ROWS = 2048
 _AUTO_BLOCK_ELEMENTS = 1 << 24  # logits per block: 64 MiB in float32
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the losses accumulate log-probabilities in: float64 for float64 inputs, float32 otherwise."""
     import torch
 
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -105,7 +106,7 @@ def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, vocab_b
     """Forward of `ChunkedTokenLogprobs`: the gathered log-probabilities, a block of logits at a time."""
     import torch
 
-    acc = _accumulation_dtype(hidden.dtype)
+    acc = accumulation_dtype(hidden.dtype)
     keep_as = _keep_torch_dtype(keep_dtype) or acc
     row_bytes = weight.shape[0] * keep_as.itemsize
     layout = _Layout(positions, tokens, chunk_size, weight.shape[0], vocab_block, keep_bytes // row_bytes)
@@ -262,9 +263,9 @@ def chunked_token_logprobs(
     positions = positions.to(device=hidden.device, dtype=torch.int64)
     tokens = tokens.to(device=hidden.device, dtype=torch.int64)
     if positions.numel() == 0:
-        return torch.zeros(0, dtype=_accumulation_dtype(hidden.dtype), device=hidden.device) + (
+        return torch.zeros(0, dtype=accumulation_dtype(hidden.dtype), device=hidden.device) + (
             hidden.sum() * 0 + weight.sum() * 0
-        ).to(_accumulation_dtype(hidden.dtype))
+        ).to(accumulation_dtype(hidden.dtype))
     _check_range(positions, hidden.shape[0], "position")
     _check_range(tokens, weight.shape[0], "token id")
     if _CHUNKED_FN is None:
@@ -299,7 +300,7 @@ def dense_token_logprobs(logits: torch.Tensor, positions: torch.Tensor, tokens: 
     """
     import torch
 
-    acc = _accumulation_dtype(logits.dtype)
+    acc = accumulation_dtype(logits.dtype)
     positions = positions.to(device=logits.device, dtype=torch.int64)
     tokens = tokens.to(device=logits.device, dtype=torch.int64)
     if positions.numel() == 0:

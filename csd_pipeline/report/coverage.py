@@ -1,6 +1,6 @@
 """Teacher mass on explicit events: how much of the teacher's probability CSD compares event by event.
 
-For each accepted chunk of an aligned row, the CSD events (`csd_pipeline.loss.events`, the same code
+For each accepted chunk of an aligned row, the CSD events (`csd_pipeline.events.batch`, the same code
 the trainer's loader runs, spelling classes summed) carry teacher probabilities q_T(e); their sum is
 the teacher mass on explicit events, and 1 minus it is the teacher's REST. The trainer logs the mean
 of this per step (`teacher_event_mass`); here it is computed from the stored top-k alone, no student
@@ -99,8 +99,8 @@ def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = TEACHER_ROWS, 
     complete teacher-logits output, or tables and shards that do not match.
     """
     from csd_pipeline.align.output import AlignedOutput
-    from csd_pipeline.loss.event_context import EventContext
-    from csd_pipeline.loss.row_events import build_row_events
+    from csd_pipeline.events.context import EventContext
+    from csd_pipeline.events.row_events import build_row_events
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from csd_pipeline.vocab.tables import load_table
 

@@ -1,6 +1,6 @@
 """`teacher-logits --keep csd-events`: store only the top-k entries that the CSD loss turns into events.
 
-The CSD loss (`loss.row_events`) reads a teacher position's stored entries only where the position
+The CSD loss (`events.row_events`) reads a teacher position's stored entries only where the position
 is the final predictor of an accepted chunk (the position before the chunk's last teacher token),
 and there only the candidates that fall into a student spelling class under the chunk's shape
 (`EventContext.event_class`: 1:1 common spellings, 1:N / M:1 prefix completions, M:N the observed
@@ -18,11 +18,13 @@ next-token rows; `csd-train` refuses them on such a store (`trainer/data.py`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from csd_pipeline.loss.events import SHAPE_1_1, chunk_shape
-from csd_pipeline.loss.row_events import ACCEPTED, read_row_chunks
-from csd_pipeline.teacher.runner import RowTopk
+from csd_pipeline.events.batch import SHAPE_1_1, chunk_shape
+from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks
+from csd_pipeline.teacher.row import TeacherTopkRow
 
 
 def event_entry_mask(aligned_row, teacher_index: int, ids: np.ndarray, lengths: np.ndarray, context) -> np.ndarray:
@@ -30,7 +32,7 @@ def event_entry_mask(aligned_row, teacher_index: int, ids: np.ndarray, lengths: 
     that the CSD loss turns into an event, spelling classes summed (a superset of what `--spelling
     exclude` reads). `aligned_row`: the row's aligned columns for `teacher_index`; context: the pair's
     `EventContext`."""
-    row = read_row_chunks(aligned_row, teacher_index, context)
+    row = read_aligned_chunks(aligned_row, teacher_index, context)
     ids = np.asarray(ids, dtype=np.int64)
     real = np.arange(ids.shape[1])[None, :] < np.asarray(lengths)[:, None]
     mask = np.zeros(ids.shape, dtype=bool)
@@ -70,7 +72,7 @@ def event_entry_mask(aligned_row, teacher_index: int, ids: np.ndarray, lengths: 
     return mask
 
 
-def keep_marked(result: RowTopk, mask: np.ndarray) -> RowTopk:
+def keep_marked(result: TeacherTopkRow, mask: np.ndarray) -> TeacherTopkRow:
     """`result` with only the `mask`ed entries of each position (at least its most likely one), in their
     order (most likely first); lengths count them. The left-out entries follow with log-prob -inf (and
     their own ids, so the encoder's checks hold): the encoder stores each position's `lengths` most
@@ -84,14 +86,14 @@ def keep_marked(result: RowTopk, mask: np.ndarray) -> RowTopk:
     kept = np.arange(k)[None, :] < lengths[:, None]
     new_ids = np.take_along_axis(ids, order, axis=1)
     new_lp = np.where(kept, np.take_along_axis(logprobs, order, axis=1), -np.inf).astype(logprobs.dtype)
-    return RowTopk(new_ids, new_lp, result.observed, result.finite, lengths)
+    return replace(result, ids=new_ids, logprobs=new_lp, lengths=lengths)
 
 
 def event_selector(aligned_rows: list, teacher_index: int, context):
-    """`select(row_index, RowTopk) -> RowTopk` for `shard_writer.write_teacher_shard`: the event entries of
+    """`select(row_index, TeacherTopkRow) -> TeacherTopkRow` for `shard_writer.write_teacher_shard`: the event entries of
     each row of one shard (`aligned_rows`: its rows' aligned columns for `teacher_index`, in order)."""
 
-    def select(row_index: int, result: RowTopk) -> RowTopk:
+    def select(row_index: int, result: TeacherTopkRow) -> TeacherTopkRow:
         mask = event_entry_mask(aligned_rows[row_index], teacher_index, result.ids, result.lengths, context)
         return keep_marked(result, mask)
 

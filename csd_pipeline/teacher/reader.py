@@ -20,40 +20,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.teacher.row import (
+    TeacherTopkRow,  # the one type of a teacher row; readers import it from here too
+)
 
 TEACHER_RERUN = "csd-pipeline teacher-logits"
-
-
-@dataclass
-class TeacherTopkRow:
-    """The teacher's stored values for one aligned row (see the module docstring)."""
-
-    row_id: str
-    ids: np.ndarray
-    logprobs: np.ndarray
-    observed_logprob: np.ndarray
-    status: int = 0
-    lengths: np.ndarray | None = None  # int64 [T]; None: every position holds all k entries
-
-    def __post_init__(self):
-        if self.lengths is None:
-            self.lengths = np.full(self.ids.shape[0], self.ids.shape[1], np.int64)
-
-    @property
-    def ok(self) -> bool:
-        """True when the row holds values (status 0); rejected rows must be left out of the KD loss."""
-        return self.status == 0
-
-    def entries(self, t: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, log-probs) of the real entries of position t, most likely first (no padding)."""
-        n = int(self.lengths[t])
-        return self.ids[t, :n], self.logprobs[t, :n]
 
 
 class TeacherShard(Sequence):

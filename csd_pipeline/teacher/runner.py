@@ -1,4 +1,4 @@
-"""The teacher forward and its top-k: `TeacherRunner` turns rows of teacher ids into `RowTopk`s.
+"""The teacher forward and its top-k: `TeacherRunner` turns rows of teacher ids into `TeacherTopkRow`s.
 
 - Rows are sorted by length and batched under a token budget (`plan_batches`), right-padded, with
   the padding masked; the batches are a pure function of the rows and the budget.
@@ -10,7 +10,7 @@
   kept out of the top-k after the normalisation.
 - With `top_p`, each position keeps only its most likely entries until their probabilities reach
   `top_p` (at most `top_k`; `mass_lengths`); with `min_p`, only the entries at least `min_p` times as
-  likely as its most likely one (`relative_lengths`); with both, the fewer. `RowTopk.lengths` says how many.
+  likely as its most likely one (`relative_lengths`); with both, the fewer. `TeacherTopkRow.lengths` says how many.
 - With `tail_samples` N, each position also stores N draws from the rest of its distribution, each at
   an estimate of its probability (`tail_samples.py`), from the generator `seed` sets (0 if never set).
 - A row with any non-finite value is marked (`finite=False`) for the stage to reject.
@@ -19,31 +19,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.teacher.row import TeacherTopkRow
+from schemas.teacher_topk import RowStatus
 
 LOGIT_CHUNK_ELEMENTS = 1 << 25  # float32 logits held at once: 128 MiB
 PROBE_TOKENS = 16
-
-
-@dataclass
-class RowTopk:
-    """The teacher's values for one row: ids int32 [T, k], logprobs float32 [T, k] (descending),
-    observed float32 [T] (NaN at the last position); `finite` is False when the row is rejected;
-    lengths int64 [T]: how many of the k entries each position keeps (all k without `top_p`)."""
-
-    ids: np.ndarray
-    logprobs: np.ndarray
-    observed: np.ndarray
-    finite: bool
-    lengths: np.ndarray | None = None
-
-    def __post_init__(self):
-        if self.lengths is None:
-            self.lengths = np.full(self.ids.shape[0], self.ids.shape[1], np.int64)
 
 
 def mass_lengths(logprobs: np.ndarray, top_p: float) -> np.ndarray:
@@ -93,7 +76,7 @@ def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
 
 
 class TeacherRunner:
-    """Computes `RowTopk`s for rows of teacher token ids with a loaded model (`LoadedModel`).
+    """Computes `TeacherTopkRow`s for rows of teacher token ids with a loaded model (`LoadedModel`).
 
     vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k. top_p: keep
     only the most likely entries of each position until they hold this probability (None: all top_k);
@@ -192,7 +175,7 @@ class TeacherRunner:
             mask[b, : len(row)] = 1
         return input_ids.to(self.device), mask.to(self.device)
 
-    def _batch_topk(self, rows: list[np.ndarray]) -> list[RowTopk]:
+    def _batch_topk(self, rows: list[np.ndarray]) -> list[TeacherTopkRow]:
         import torch
 
         input_ids, mask = self._batch_tensors(rows)
@@ -250,8 +233,9 @@ class TeacherRunner:
         results, offset = [], 0
         for n in lengths:
             part = slice(offset, offset + n)
-            results.append(RowTopk(ids_all[part], lp_all[part], obs_all[part], bool(ok_all[part].all()),
-                                   None if kept is None else kept[part]))
+            status = RowStatus.OK if ok_all[part].all() else RowStatus.NON_FINITE
+            results.append(TeacherTopkRow(None, ids_all[part], lp_all[part], obs_all[part], int(status),
+                                          None if kept is None else kept[part]))
             offset += n
         return results
 
@@ -276,7 +260,7 @@ class TeacherRunner:
 
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed))
 
-    def _run_batch(self, rows: list[np.ndarray]) -> list[RowTopk]:
+    def _run_batch(self, rows: list[np.ndarray]) -> list[TeacherTopkRow]:
         import torch
 
         try:
@@ -293,11 +277,11 @@ class TeacherRunner:
             half = len(rows) // 2  # split and retry: an OOM batch is never fatal
             return self._run_batch(rows[:half]) + self._run_batch(rows[half:])
 
-    def run(self, rows: list[np.ndarray]) -> list[RowTopk]:
-        """The `RowTopk` of every row (int teacher ids, each non-empty), in the given order."""
+    def run(self, rows: list[np.ndarray]) -> list[TeacherTopkRow]:
+        """The `TeacherTopkRow` of every row (int teacher ids, each non-empty), in the given order."""
         from csd_pipeline.runtime import progress
 
-        results: list[RowTopk | None] = [None] * len(rows)
+        results: list[TeacherTopkRow | None] = [None] * len(rows)
         for batch in plan_batches([len(r) for r in rows], self.batch_tokens):
             for index, result in zip(batch, self._run_batch([rows[i] for i in batch])):
                 results[index] = result

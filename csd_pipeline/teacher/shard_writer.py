@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.teacher.runner import RowTopk, TeacherRunner
+from csd_pipeline.teacher.row import TeacherTopkRow
+from csd_pipeline.teacher.runner import TeacherRunner
 
 
 def block_ranges(lengths, block_positions: int) -> list[tuple[int, int]]:
@@ -38,23 +39,23 @@ def block_ranges(lengths, block_positions: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int, select=None,
+def encode_rows(results: list[TeacherTopkRow], rows: list[np.ndarray], top_k: int, select=None,
                 first_row: int = 0) -> tuple[bytes, dict]:
     """Encode the kept rows (finite) of one block; returns (payload, stats of the block).
 
-    Each position stores its `RowTopk.lengths` most likely entries; `entries` counts them and
-    `observed.in_top_k` counts the observed tokens among them. `select(row_index, RowTopk)`, when
+    Each position stores its `TeacherTopkRow.lengths` most likely entries; `entries` counts them and
+    `observed.in_top_k` counts the observed tokens among them. `select(row_index, TeacherTopkRow)`, when
     given, first chooses the entries of each kept row (row_index: `first_row` + its place here)."""
     from csd_pipeline.teacher.codec import encode_block
 
     if select is not None:
-        results = [select(first_row + i, r) if r.finite else r for i, r in enumerate(results)]
-    kept = [(r, row) for r, row in zip(results, rows) if r.finite]
+        results = [select(first_row + i, r) if r.ok else r for i, r in enumerate(results)]
+    kept = [(r, row) for r, row in zip(results, rows) if r.ok]
     if kept:
         ids = np.concatenate([r.ids for r, _ in kept])
         logprobs = np.concatenate([r.logprobs for r, _ in kept])
         lengths = np.concatenate([r.lengths for r, _ in kept])
-        observed = np.concatenate([r.observed for r, _ in kept])
+        observed = np.concatenate([r.observed_logprob for r, _ in kept])
         observed_ids = np.concatenate([np.append(row[1:], -1) for _, row in kept])
     else:
         ids, logprobs = np.zeros((0, top_k), np.int64), np.zeros((0, top_k), np.float32)
@@ -66,7 +67,7 @@ def encode_rows(results: list[RowTopk], rows: list[np.ndarray], top_k: int, sele
     stats = {
         "positions": int(sum(len(row) for row in rows)),
         "entries": int(lengths.sum()),
-        "rejected": {"non_finite": sum(not r.finite for r in results)},
+        "rejected": {"non_finite": sum(not r.ok for r in results)},
         "observed": {"positions": int(has_next.sum()), "in_top_k": int((in_stored & has_next).sum())},
         "payload_bytes": len(payload),
     }
@@ -78,7 +79,7 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
     """Compute and encode the teacher top-k of one shard's rows (teacher ids, each non-empty and inside
     the vocabulary) into the Parquet file `tmp_path`. Returns the executor's `ShardResult`.
 
-    select: None (store every entry) or `select(row_index, RowTopk) -> RowTopk`, the entries to store
+    select: None (store every entry) or `select(row_index, TeacherTopkRow) -> TeacherTopkRow`, the entries to store
     of each kept row (`--keep csd-events`: `event_entries.keep_marked`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -87,7 +88,7 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
     from csd_pipeline.runtime.run_record import merge_stats
     from csd_pipeline.teacher.codec import ENCODING
     from csd_pipeline.teacher.tail_samples import block_seed
-    from schemas.teacher_topk import RowStatus, teacher_topk_schema
+    from schemas.teacher_topk import teacher_topk_schema
 
     schema = teacher_topk_schema(runner.width, ENCODING, runner.top_p, "top-k" if select is None else "csd-events",
                                  runner.min_p, runner.tail_samples)
@@ -106,7 +107,7 @@ def write_teacher_shard(runner: TeacherRunner, row_ids: list[str], rows: list[np
         count = end - start
         writer.write_table(pa.table({
             "row_id": pa.array(row_ids[start:end], pa.string()),
-            "status": pa.array([RowStatus.OK if r.finite else RowStatus.NON_FINITE for r in results], pa.uint8()),
+            "status": pa.array([r.status for r in results], pa.uint8()),
             "positions": pa.array([len(r) for r in rows[start:end]], pa.int32()),
             "block": pa.array([block] * count, pa.int32()),
             "payload": pa.array([payload] + [None] * (count - 1), pa.binary()),
@@ -159,7 +160,7 @@ class TeacherShardWriter:
     def event_context(self):
         """The `EventContext` of the aligned tables of this teacher (`--keep csd-events`), built once."""
         if self._context is None:
-            from csd_pipeline.loss.event_context import EventContext
+            from csd_pipeline.events.context import EventContext
             from csd_pipeline.vocab.tables import load_table
 
             s2t, t2s = self.aligned.tables(self.config.teacher_index)

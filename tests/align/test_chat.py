@@ -439,9 +439,9 @@ def test_end_of_turn_chunk_is_one_explicit_event(chat_dir):
     import pyarrow.parquet as pq
     import torch
 
+    from csd_pipeline.events.context import EventContext
+    from csd_pipeline.events.row_events import build_row_events
     from csd_pipeline.loss.csd import csd_divergence
-    from csd_pipeline.loss.event_context import EventContext
-    from csd_pipeline.loss.row_events import build_row_events
     from csd_pipeline.vocab.tables import load_table
 
     context = EventContext(load_table(chat_dir / "tables/teacher0/student_to_teacher.safetensors"),
@@ -481,7 +481,7 @@ def test_end_of_turn_chunk_is_one_explicit_event(chat_dir):
 @pytest.mark.slow
 def test_chat_rows_train_with_the_mask(chat_dir, tmp_path, model_path, run_cli):
     """align (chat) -> teacher-logits (SmolLM2) -> csd-train: CE only on the mask, KD only on the region."""
-    from csd_pipeline.loss.events import ce_targets
+    from csd_pipeline.events.batch import ce_targets
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
     from trainer.loop import train
     from trainer.options import parse_args

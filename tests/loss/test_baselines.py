@@ -15,16 +15,16 @@ import pytest
 import torch
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.baselines import adaptive_matched_weight, baseline_loss
-from csd_pipeline.loss.csd import csd_loss
-from csd_pipeline.loss.events import ce_targets, collate_events
-from csd_pipeline.loss.row_events import build_row_events
-from csd_pipeline.loss.teacher_rows import (
-    build_row_chunks,
-    collate_chunk_rows,
+from csd_pipeline.events.baseline_rows import (
+    build_baseline_rows,
+    collate_baseline_rows,
     shared_vocabulary,
     shuffle_teacher_rows,
 )
+from csd_pipeline.events.batch import ce_targets, collate_events
+from csd_pipeline.events.row_events import build_row_events
+from csd_pipeline.loss.baselines import adaptive_matched_weight, baseline_loss
+from csd_pipeline.loss.csd import csd_loss
 from tests.csd_cases import (
     ACCEPTED,
     MISMATCH,
@@ -67,7 +67,7 @@ class Case(PairCase):
 
     def chunk_rows(self, rows, tops, only_1to1=False):
         offsets = self.offsets(rows)
-        batch = collate_chunk_rows([build_row_chunks(r, 0, t, self.ctx, only_1to1=only_1to1)
+        batch = collate_baseline_rows([build_baseline_rows(r, 0, t, self.ctx, only_1to1=only_1to1)
                                     for r, t in zip(rows, tops, strict=True)], offsets)
         return batch, ce_targets([r["student_ids"] for r in rows], [r["student_loss_mask"] for r in rows], offsets)
 
@@ -176,7 +176,7 @@ def _both(case, rows, logits, kind, csd_divergence="kl", only_1to1=False, **opti
     offsets = case.offsets(rows)
     cp, ct = ce_targets([r["student_ids"] for r in rows], [r["student_loss_mask"] for r in rows], offsets)
     flat = torch.cat(logits)
-    rows_b = collate_chunk_rows([build_row_chunks(r, 0, t, case.ctx, only_1to1=kind == "strict")
+    rows_b = collate_baseline_rows([build_baseline_rows(r, 0, t, case.ctx, only_1to1=kind == "strict")
                                  for r, t in zip(rows, case.tops, strict=True)], offsets)
     base = baseline_loss(kind, logits=flat, ce_positions=cp, ce_tokens=ct, teachers=[rows_b], **options)
     csd = csd_loss(logits=flat, ce_positions=cp, ce_tokens=ct, teachers=[case.events(rows, case.tops, only_1to1)],
@@ -347,7 +347,7 @@ def test_bad_options_raise_csd_error(case_of):
             baseline_loss(kind, logits=logits, ce_positions=cp, ce_tokens=ct, teachers=[batch], **options)
     dense = dict(case.rows[0])
     with pytest.raises(CsdError, match="stored top-k"):
-        build_row_chunks(dense, 0, np.zeros((len(dense["teacher0_ids"]), case.t.vocab.size)), case.ctx)
+        build_baseline_rows(dense, 0, np.zeros((len(dense["teacher0_ids"]), case.t.vocab.size)), case.ctx)
 
 
 def _ragged(top: dict, rng) -> tuple[dict, dict]:
@@ -366,8 +366,8 @@ def test_baseline_rows_read_only_each_positions_entries(case_of):
     rng = np.random.default_rng(5)
     for row, top in zip(case.rows, case.tops, strict=True):
         clean, stale = _ragged(top, rng)
-        a, b = build_row_chunks(row, 0, clean, case.ctx), build_row_chunks(row, 0, stale, case.ctx)
-        full = build_row_chunks(row, 0, top, case.ctx)
+        a, b = build_baseline_rows(row, 0, clean, case.ctx), build_baseline_rows(row, 0, stale, case.ctx)
+        full = build_baseline_rows(row, 0, top, case.ctx)
         assert a.num_chunks == b.num_chunks == full.num_chunks > 0
         for name in ("class_id", "class_logp", "class_count", "unshared_logp"):
             assert np.array_equal(getattr(a, name), getattr(b, name))

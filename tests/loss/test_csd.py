@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.events.batch import ce_targets, collate_events
+from csd_pipeline.events.row_events import build_row_events
 from csd_pipeline.loss.csd import csd_divergence, csd_loss
-from csd_pipeline.loss.events import ce_targets, collate_events
-from csd_pipeline.loss.row_events import build_row_events
 from csd_pipeline.loss.token_logprobs import chunked_token_logprobs, dense_token_logprobs
 from tests.csd_cases import (
     ACCEPTED,

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, chunk_shape
-from csd_pipeline.loss.row_events import ACCEPTED, build_row_events, read_row_chunks
+from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, chunk_shape
+from csd_pipeline.events.row_events import ACCEPTED, build_row_events, read_aligned_chunks
 from csd_pipeline.teacher.codec import decode_block, encode_block
 from csd_pipeline.teacher.event_entries import event_entry_mask, keep_marked
-from csd_pipeline.teacher.runner import RowTopk
+from csd_pipeline.teacher.row import TeacherTopkRow
 from tests.csd_cases import PairCase, topk_from_dense
 
 TOP_K = 16
@@ -54,7 +54,7 @@ class Case(PairCase):
             t_ids = row["teacher0_ids"].astype(np.int64)
             logits = g.normal(size=(len(t_ids), self.t.vocab.size)) * 2.0
             logits[np.arange(len(t_ids) - 1), t_ids[1:]] += np.where(g.random(len(t_ids) - 1) < 0.7, 14.0, 0.0)
-            chunks = read_row_chunks(row, 0, self.ctx)
+            chunks = read_aligned_chunks(row, 0, self.ctx)
             for c in np.flatnonzero(chunks.status == ACCEPTED):
                 m, n = int(chunks.student_len[c]), int(chunks.teacher_len[c])
                 s0, t0 = int(chunks.student_start[c]), int(chunks.teacher_start[c])
@@ -127,14 +127,14 @@ def test_kept_entries_are_those_whose_absence_changes_the_events(case_of, pair):
 def test_stored_event_entries_give_the_events_and_loss_of_the_whole_top_k(case_of, pair, spelling):
     """Through the codec: the kept entries (1 to 16 per position) give the same events as the whole
     stored top-16 under both spelling modes, so the same CSD loss and gradient; fewer entries."""
+    from csd_pipeline.events.batch import ce_targets, collate_events
     from csd_pipeline.loss.csd import csd_loss
-    from csd_pipeline.loss.events import ce_targets, collate_events
 
     case = case_of(pair)
     stored, kept_rows, entries, counts = [], [], 0, []
     for row, topk in zip(case.rows, case.topk):
-        full = RowTopk(topk["ids"].astype(np.int64), topk["logprobs"].astype(np.float32),
-                       topk["observed_logprob"].astype(np.float32), True)
+        full = TeacherTopkRow(row["row_id"], topk["ids"].astype(np.int64), topk["logprobs"].astype(np.float32),
+                              topk["observed_logprob"].astype(np.float32))
         kept = keep_marked(full, event_entry_mask(row, 0, full.ids, full.lengths, case.ctx))
         assert kept.lengths.min() >= 1 and set(np.unique(kept.lengths).tolist()) > {1}
         for t, n in enumerate(kept.lengths.tolist()):  # the kept entries are a subsequence, most likely first

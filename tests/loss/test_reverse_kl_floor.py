@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
+from csd_pipeline.events.batch import BatchEvents
 from csd_pipeline.loss.csd import REVERSE_KL_TEACHER_REST_FLOOR, csd_divergence
-from csd_pipeline.loss.events import BatchEvents
 
 
 def _one_chunk(teacher_logq) -> BatchEvents:

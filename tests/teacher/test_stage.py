@@ -201,9 +201,9 @@ def test_rows_are_batched_with_padding_and_match_unbatched(aligned, tiny_teacher
     batched = TeacherRunner(loaded, top_k=K, vocab_limit=VOCAB, batch_tokens=512).run(rows)
     alone = TeacherRunner(loaded, top_k=K, vocab_limit=VOCAB, batch_tokens=1).run(rows)
     for a, b in zip(batched, alone):
-        assert a.finite and b.finite
+        assert a.ok and b.ok
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
-        np.testing.assert_allclose(a.observed, b.observed, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(a.observed_logprob, b.observed_logprob, atol=1e-4, rtol=0)
         same = a.ids == b.ids
         # An id may differ only where two entries are tied to float noise.
         assert np.all(same | (np.abs(a.logprobs - b.logprobs) < 1e-4))
@@ -230,7 +230,6 @@ def make_tiny_gemma2(folder: Path, tokenizer_dir: Path) -> Path:
 @pytest.mark.parametrize("kind", ["model-forward-fallback", pytest.param("gemma2-softcap-head", marks=pytest.mark.slow)])
 def test_runner_logit_paths_match_float64(kind, aligned, tiny_teacher, tokenizer_path, tmp_path, monkeypatch):
     """Both ways to get logits (hidden states + float32 head, or the model's own forward) are exact."""
-    from types import SimpleNamespace
 
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.runner import TeacherRunner
@@ -244,8 +243,7 @@ def test_runner_logit_paths_match_float64(kind, aligned, tiny_teacher, tokenizer
     runner = TeacherRunner(load_causal_lm(str(folder), device="cpu"), top_k=K, vocab_limit=VOCAB, batch_tokens=512)
     assert runner.path == expected_path  # the soft-capped head reproduces Gemma 2's own logits on the probe
     for result, ids in zip(runner.run(rows), rows):
-        row = SimpleNamespace(ids=result.ids, logprobs=result.logprobs, observed_logprob=result.observed)
-        check_row_against_reference(row, ids, float64_reference(folder, ids), K)
+        check_row_against_reference(result, ids, float64_reference(folder, ids), K)
 
 
 def test_temperature_divides_the_logits(aligned, tiny_teacher, tmp_path):
@@ -398,7 +396,7 @@ def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, ti
     from csd_pipeline.errors import CsdError
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from trainer.config import LossConfig
-    from trainer.data import _check_keep, _check_top_k
+    from trainer.data import _check_top_k
 
     out = tmp_path / "tail"
     assert run_stage(aligned, tiny_teacher, out, min_p=MIN_P, tail_samples=TAIL_SAMPLES).complete
@@ -442,8 +440,8 @@ def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, ti
     assert run_stage(aligned, tiny_teacher, other, min_p=MIN_P, tail_samples=TAIL_SAMPLES, sample_seed=1).complete
     assert output_bytes(other) != output_bytes(out)
     with pytest.raises(CsdError, match="--tail-samples"):
-        _check_keep(LossConfig(loss="gold"), output)
-    _check_keep(LossConfig(loss="csd"), output)
+        LossConfig(loss="gold").build().check_teacher(None, output)
+    LossConfig(loss="csd").build().check_teacher(None, output)
     with pytest.raises(CsdError, match="--tail-samples"):
         _check_top_k(4, output)
     _check_top_k(0, output)
@@ -457,12 +455,11 @@ def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_
     import pyarrow.parquet as pq
 
     from csd_pipeline.errors import CsdError
-    from csd_pipeline.loss.event_context import EventContext
-    from csd_pipeline.loss.row_events import build_row_events
+    from csd_pipeline.events.context import EventContext
+    from csd_pipeline.events.row_events import build_row_events
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from csd_pipeline.vocab.tables import load_table
     from trainer.config import LossConfig
-    from trainer.data import _check_keep
 
     out = tmp_path / "events"
     assert run_stage(aligned, tiny_teacher, out, keep="csd-events").complete
@@ -490,12 +487,12 @@ def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_
             chunks += a.num_chunks
     assert chunks > 0 and 1 in counts and max(counts) > 1 and sum(counts) == stored
     with pytest.raises(CsdError, match="--keep csd-events"):
-        _check_keep(LossConfig(loss="uld"), events)
-    _check_keep(LossConfig(loss="csd"), events)
-    _check_keep(LossConfig(loss="uld"), whole)
+        LossConfig(loss="uld").build().check_teacher(None, events)
+    LossConfig(loss="csd").build().check_teacher(None, events)
+    LossConfig(loss="uld").build().check_teacher(None, whole)
     with pytest.raises(CsdError, match="--spelling prefix"):  # it reads entries the store left out
-        _check_keep(LossConfig(loss="csd", spelling="prefix"), events)
-    _check_keep(LossConfig(loss="csd", spelling="prefix"), whole)
+        LossConfig(loss="csd", spelling="prefix").build().check_teacher(None, events)
+    LossConfig(loss="csd", spelling="prefix").build().check_teacher(None, whole)
 
 
 def test_version_1_output_is_still_read():

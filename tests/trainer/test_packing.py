@@ -9,9 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.evaluation.packing import check_window_length, pack, plan_rows
+from csd_pipeline.events.batch import ce_targets
 from csd_pipeline.fixtures.names import tokenizer_path
-from csd_pipeline.loss.events import ce_targets
 from csd_pipeline.vocab.vocabulary import load_tokenizer
+from trainer.config import LossConfig
 from trainer.model import StudentWithLoss
 
 DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data"
@@ -73,9 +74,9 @@ def test_packed_loss_equals_sum_of_unpacked(windows, attn):
         if attn == "eager":
             return  # the rest does not depend on the attention kernel
         # the same through the training wrapper (decoder body + chunked LM-head loss)
-        out = StudentWithLoss(model)(
+        out = StudentWithLoss(model, LossConfig(loss="ce", loss_chunk_size=100).build())(
             torch.as_tensor(packed.input_ids), torch.as_tensor(packed.position_ids), torch.as_tensor(positions),
-            torch.as_tensor(tokens), global_ce_tokens=1.0, chunk_size=100)
+            torch.as_tensor(tokens), global_ce_tokens=1.0)
         assert abs(float(out["ce"]) - float(-single_lp.sum())) < atol * len(tokens)
         # control: without restarting positions, windows see each other and the loss changes
         running = np.tile(np.arange(seq_len), (batch_size, 1))

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from csd_pipeline.loss.events import SHAPE_1_1
-from csd_pipeline.loss.row_events import build_row_events
+from csd_pipeline.events.batch import SHAPE_1_1
+from csd_pipeline.events.row_events import build_row_events
 from tests.csd_cases import ACCEPTED, aligned_row, event_context, topk_from_dense
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -2,7 +2,7 @@
 
 Spelling classes (token ids with equal bytes), the common spellings and the prefix-support entries
 of the subtoken tables (`vocab.tables`), as plain dictionaries and tuples so that the work per chunk
-(`loss.chunk_events`) is dictionary look-ups.
+(`events.chunk_events`) is dictionary look-ups.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_N
+from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_N
 
 
 class EventContext:
@@ -75,7 +75,7 @@ class EventContext:
 
         1:1: the same spelling; 1:N: the observed teacher prefix + it; M:1: it minus the observed student
         prefix; M:N: only the observed spelling (the observed student token's class). The class must exist
-        in the student vocabulary. The one rule for the loss (`loss.chunk_events`) and for the store that
+        in the student vocabulary. The one rule for the loss (`events.chunk_events`) and for the store that
         keeps only these entries (`teacher.event_entries`).
         """
         if teacher_spelling is None:

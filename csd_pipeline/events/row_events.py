@@ -1,10 +1,10 @@
 """The CSD events of one aligned row for one teacher (SPEC §5), built on the CPU in data-loader workers.
 
 `build_row_events` reads the row's chunks for the teacher and checks them against the vocabularies
-(`RowChunks`), reads the teacher's log-probabilities at each of its positions (`TeacherPositions`:
+(`AlignedRowChunks`), checks the teacher's log-probabilities at each of its positions (`teacher_positions`:
 a stored teacher top-k or, in tests, dense log-probs), then walks the accepted chunks and lets
-`loss.chunk_events.EventBuilder` list each chunk's events. Positions in the result are row-local
-(student position j-1 predicts token j); `loss.events.collate_events` shifts them into a batch.
+`events.chunk_events.EventBuilder` list each chunk's events. Positions in the result are row-local
+(student position j-1 predicts token j); `events.batch.collate_events` shifts them into a batch.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.chunk_events import EventBuilder
-from csd_pipeline.loss.event_context import EventContext
-from csd_pipeline.loss.events import (
+from csd_pipeline.events.batch import (
     DEFAULT_SPELLING,
     SHAPE_1_1,
     SPELLING_MODES,
@@ -24,13 +22,16 @@ from csd_pipeline.loss.events import (
     chunk_shape,
     empty_events,
 )
+from csd_pipeline.events.chunk_events import EventBuilder
+from csd_pipeline.events.context import EventContext
+from csd_pipeline.teacher.row import TeacherTopkRow
 from schemas.aligned import ChunkStatus, teacher_columns
 
 ACCEPTED = int(ChunkStatus.ACCEPTED)
 
 
 @dataclass
-class RowChunks:
+class AlignedRowChunks:
     """One aligned row's tokens and its chunks for one teacher, checked against each other and the vocabularies."""
 
     where: str  # the row (and file) for error messages
@@ -42,20 +43,6 @@ class RowChunks:
     status: np.ndarray  # int64 [C]: ChunkStatus codes
     student_start: np.ndarray  # int64 [C]: first student token of each chunk
     teacher_start: np.ndarray  # int64 [C]: first teacher token of each chunk
-
-
-@dataclass
-class TeacherPositions:
-    """The teacher's log-probabilities at each of its T positions (position t predicts teacher token t+1)."""
-
-    topk_ids: np.ndarray | None  # int64 [T, k], or None for dense log-probs
-    logprobs: np.ndarray  # float64 [T, k] (the top-k's; -inf beyond each position's length) or [T, V] (dense)
-    observed: np.ndarray  # float64 [T]: log-prob of the observed next token (undefined at the last position)
-    lengths: np.ndarray | None = None  # int64 [T]: stored entries of each position (top-k only)
-
-    @property
-    def dense(self) -> bool:
-        return self.topk_ids is None
 
 
 def build_row_events(
@@ -81,7 +68,7 @@ def build_row_events(
     """
     if spelling not in SPELLING_MODES:
         raise CsdError(f"unknown spelling mode {spelling!r}; choose 'sum' or 'exclude' (loss.spelling).")
-    row = read_row_chunks(aligned_row, teacher_index, context, source)
+    row = read_aligned_chunks(aligned_row, teacher_index, context, source)
     teacher_status = teacher.get("status", 0) if isinstance(teacher, dict) else getattr(teacher, "status", 0)
     if teacher_status:
         # A row the teacher-logits stage rejected (non-finite log-probs): CE only, no KD events.
@@ -97,7 +84,7 @@ def build_row_events(
     return builder.finish(stats)
 
 
-def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPositions, c: int,
+def _chunk_events(builder: EventBuilder, row: AlignedRowChunks, positions: TeacherTopkRow, c: int,
                   context: EventContext, only_1to1: bool) -> str | None:
     """Add accepted chunk `c`'s events to `builder`; returns the stats key to count it under, if any."""
     m, n = int(row.student_len[c]), int(row.teacher_len[c])
@@ -117,13 +104,13 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
     if shape == SHAPE_1_1 and context.is_special_pair(s_tok[0], t_tok[0]):
         # Chat mode's end-of-turn pair: no byte spelling, so the only explicit event is the observed
         # pair; everything else is REST on both sides.
-        if not np.isfinite(positions.observed[t0 - 1]):
+        if not np.isfinite(positions.observed_logprob[t0 - 1]):
             raise CsdError(
                 f"{row.where}: the teacher log-probability of the special token of accepted chunk {c} is not "
                 "finite; the teacher shard is corrupted, re-run `csd-pipeline teacher-logits`."
             )
-        chunk = builder.start_chunk(shape, [], (s0, m), float(positions.observed[t0 - 1]))
-        builder.add_event(chunk, s0 - 1, np.asarray([s_tok[0]], dtype=np.int64), float(positions.observed[t0 - 1]))
+        chunk = builder.start_chunk(shape, [], (s0, m), float(positions.observed_logprob[t0 - 1]))
+        builder.add_event(chunk, s0 - 1, np.asarray([s_tok[0]], dtype=np.int64), float(positions.observed_logprob[t0 - 1]))
         return "chunks_special_pair"
     sb, tb = context.student_bytes, context.teacher_bytes
     s_prefix = b"".join(sb[i] for i in s_tok[:-1])
@@ -136,8 +123,8 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
             "side; the aligned shard does not match these tokenizers/tables, re-run the align stage."
         )
     ft = t0 + n - 2  # the teacher position that predicts the chunk's final teacher token
-    chain_lp = positions.observed[t0 - 1 : ft]
-    obs_lp = positions.observed[ft]
+    chain_lp = positions.observed_logprob[t0 - 1 : ft]
+    obs_lp = positions.observed_logprob[ft]
     if not (np.isfinite(chain_lp).all() and np.isfinite(obs_lp)):
         raise CsdError(
             f"{row.where}: the teacher log-probability of a token of accepted chunk {c} is not finite; the teacher "
@@ -152,7 +139,7 @@ def _chunk_events(builder: EventBuilder, row: RowChunks, positions: TeacherPosit
                                  u_obs, v_obs)
     else:
         n = int(positions.lengths[ft])  # a variable-length row (--top-p) stores fewer than k entries here
-        builder.add_topk_events(chunk, shape, fs, positions.topk_ids[ft, :n], positions.logprobs[ft, :n], obs_lp,
+        builder.add_topk_events(chunk, shape, fs, positions.ids[ft, :n], positions.logprobs[ft, :n], obs_lp,
                                 teacher_chain, s_prefix, t_prefix, u_obs, v_obs)
     return None
 
@@ -165,7 +152,7 @@ def _row_get(row, key):
     return getattr(row, key)
 
 
-def read_row_chunks(aligned_row, teacher_index: int, context: EventContext, source: str = "") -> RowChunks:
+def read_aligned_chunks(aligned_row, teacher_index: int, context: EventContext, source: str = "") -> AlignedRowChunks:
     """The row's tokens and teacher `teacher_index`'s chunks; raises `CsdError` when they do not fit together
     or an id is outside its vocabulary (naming the row and the stage to re-run)."""
     row_id = _row_get(aligned_row, "row_id") if not isinstance(aligned_row, dict) or "row_id" in aligned_row else None
@@ -192,12 +179,13 @@ def read_row_chunks(aligned_row, teacher_index: int, context: EventContext, sour
             )
     s_starts = np.concatenate([[0], np.cumsum(m_len)[:-1]]) if m_len.size else m_len
     t_starts = np.concatenate([[0], np.cumsum(n_len)[:-1]]) if n_len.size else n_len
-    return RowChunks(where, row_id, student_ids, teacher_ids, m_len, n_len, status, s_starts, t_starts)
+    return AlignedRowChunks(where, row_id, student_ids, teacher_ids, m_len, n_len, status, s_starts, t_starts)
 
 
-def teacher_positions(teacher, row: RowChunks) -> TeacherPositions:
-    """The teacher input of one row as `TeacherPositions`; raises `CsdError` when its shapes or row id show
-    that it was computed for another alignment."""
+def teacher_positions(teacher, row: AlignedRowChunks) -> TeacherTopkRow:
+    """The teacher input of one row (a `TeacherTopkRow`, a dict of its fields, or dense log-probs [T, V]) as a
+    checked `TeacherTopkRow` in float64 whose padding entries have log-prob -inf; raises `CsdError` when its
+    shapes or row id show that it was computed for another alignment."""
     teacher_len, row_id = len(row.teacher_ids), row.row_id
     if isinstance(teacher, np.ndarray) or hasattr(teacher, "detach"):
         dense = np.asarray(teacher.detach().cpu().numpy() if hasattr(teacher, "detach") else teacher, dtype=np.float64)
@@ -208,7 +196,7 @@ def teacher_positions(teacher, row: RowChunks) -> TeacherPositions:
             )
         observed = np.full(teacher_len, np.nan)
         observed[:-1] = dense[np.arange(teacher_len - 1), row.teacher_ids[1:]]
-        return TeacherPositions(None, dense, observed)
+        return TeacherTopkRow(row_id, None, dense, observed)
     get = teacher.get if isinstance(teacher, dict) else lambda k: getattr(teacher, k, None)
     topk_row_id = get("row_id")
     if topk_row_id is not None and row_id is not None and str(topk_row_id) != str(row_id):
@@ -235,4 +223,4 @@ def teacher_positions(teacher, row: RowChunks) -> TeacherPositions:
         )
     # Entries beyond a position's count are padding (id -1, log-prob -inf): never candidates.
     logprobs = np.where(np.arange(k)[None, :] < lengths[:, None], logprobs, -np.inf)
-    return TeacherPositions(ids, logprobs, observed, lengths)
+    return TeacherTopkRow(topk_row_id, ids, logprobs, observed, 0, lengths)

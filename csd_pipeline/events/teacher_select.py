@@ -23,7 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.events import BatchEvents
+from csd_pipeline.events.batch import BatchEvents
 from schemas.aligned import teacher_columns
 
 
@@ -97,7 +97,7 @@ def keep_chunks(events: BatchEvents, keep: np.ndarray) -> BatchEvents:
 def select_row(events: list[BatchEvents], boundaries: list[np.ndarray]) -> list[BatchEvents]:
     """One row's events per teacher with, in each group, only the chosen teacher's chunks kept.
 
-    events: row-local `BatchEvents` of each active teacher (`loss.row_events.build_row_events`);
+    events: row-local `BatchEvents` of each active teacher (`events.row_events.build_row_events`);
     boundaries: each teacher's chunk boundaries in the same row (`chunk_boundaries`). Each result
     carries `stats["groups"]` (groups with a KD chunk, counted on the first teacher) and
     `stats["groups_uncovered"]` (of those, groups no teacher covers whole).

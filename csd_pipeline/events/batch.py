@@ -7,11 +7,11 @@ For every accepted chunk of an aligned row, the events are listed as flat numpy 
   predictor position) and the teacher's log q_T(k) (chain factors + final-token class, float64);
 - per chunk its shape (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N; the order of `schemas.aligned.SHAPES`),
   its student token span (first token, count) and the teacher's log-likelihood of its observed
-  tokens (what `--kd-combine select` compares between teachers, `loss.teacher_select`).
+  tokens (what `--kd-combine select` compares between teachers, `events.teacher_select`).
 
 The loss (`loss.csd`) then only gathers student log-probabilities at those pairs and sums them per
-chunk. One row's events are built by `loss.row_events.build_row_events` (with the look-ups of
-`loss.event_context.EventContext` and the rules of `loss.chunk_events`); this module holds the
+chunk. One row's events are built by `events.row_events.build_row_events` (with the look-ups of
+`events.context.EventContext` and the rules of `events.chunk_events`); this module holds the
 `BatchEvents` type, the batch assembly (`collate_events`) and the CE targets (`ce_targets`).
 """
 

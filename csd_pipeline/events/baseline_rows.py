@@ -1,6 +1,6 @@
 """What the baseline losses (`loss.baselines`: ULD, GOLD, strict) read of each chunk, built on the CPU.
 
-CSD turns the teacher's stored top-k into chunk events through the tables (`loss.events`). The
+CSD turns the teacher's stored top-k into chunk events through the tables (`events.batch`). The
 baselines compare whole next-token rows instead, so for every accepted chunk of an aligned row
 this module keeps (as flat numpy arrays, like `BatchEvents`):
 
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.events import SHAPE_1_1, chunk_shape
-from csd_pipeline.loss.row_events import ACCEPTED, read_row_chunks, teacher_positions
+from csd_pipeline.events.batch import SHAPE_1_1, chunk_shape
+from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks, teacher_positions
 
 BASELINE_LOSSES = ("uld", "gold", "strict")
 TEACHER_CONTROLS = ("none", "shuffled")
@@ -77,7 +77,7 @@ def shared_vocabulary(context) -> SharedVocabulary:
 
 
 @dataclass
-class ChunkRows:
+class BaselineRows:
     """Per accepted chunk of a row or batch, what the baseline losses read (numpy; torch after `.to`).
 
     final_pos: int64 [C]; chunk_shape: int64 [C] (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N);
@@ -115,7 +115,7 @@ class ChunkRows:
         shape = self.chunk_shape if isinstance(self.chunk_shape, np.ndarray) else self.chunk_shape.cpu().numpy()
         return np.bincount(shape, minlength=4)[:4].tolist()
 
-    def to(self, device) -> ChunkRows:
+    def to(self, device) -> BaselineRows:
         """The same rows as torch tensors on `device` (log-probs stay float64)."""
         import torch
 
@@ -131,22 +131,22 @@ class ChunkRows:
                     int(value.teacher_vocab_size))
             else:
                 out[f.name] = torch.as_tensor(value).to(device)
-        return ChunkRows(**out)
+        return BaselineRows(**out)
 
 
 _PADDED = {"teacher_logp": -np.inf, "teacher_class": -1, "class_id": -1, "class_logp": -np.inf, "class_count": 0,
            "unshared_logp": -np.inf}
 
 
-def _empty(shared: SharedVocabulary, stats: dict | None = None) -> ChunkRows:
+def _empty(shared: SharedVocabulary, stats: dict | None = None) -> BaselineRows:
     z = np.zeros(0, dtype=np.int64)
     padded = {k: np.zeros((0, 0), dtype=np.int64 if isinstance(v, int) else np.float64) for k, v in _PADDED.items()}
-    return ChunkRows(z, z, z, z, z, np.zeros(0), **padded, shared=shared, stats=dict(stats or {}))
+    return BaselineRows(z, z, z, z, z, np.zeros(0), **padded, shared=shared, stats=dict(stats or {}))
 
 
-def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_1to1: bool = False,
-                     source: str = "") -> ChunkRows:
-    """The `ChunkRows` of every accepted chunk of one aligned row for teacher `teacher_index`.
+def build_baseline_rows(aligned_row, teacher_index: int, teacher, context, *, only_1to1: bool = False,
+                        source: str = "") -> BaselineRows:
+    """The `BaselineRows` of every accepted chunk of one aligned row for teacher `teacher_index`.
 
     aligned_row: the aligned columns (SPEC §8); teacher: that row's stored top-k (`TeacherTopkRow` or a
     dict with row_id, ids [T,k], logprobs [T,k], observed_logprob [T]); context: the pair's
@@ -155,7 +155,7 @@ def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_
     teacher shard, naming the stage to re-run.
     """
     shared = shared_vocabulary(context)
-    row = read_row_chunks(aligned_row, teacher_index, context, source)
+    row = read_aligned_chunks(aligned_row, teacher_index, context, source)
     where, student_ids, teacher_ids = row.where, row.student_ids, row.teacher_ids
     m_len, n_len, status, s_starts, t_starts = (row.student_len, row.teacher_len, row.status, row.student_start,
                                                 row.teacher_start)
@@ -163,7 +163,7 @@ def build_row_chunks(aligned_row, teacher_index: int, teacher, context, *, only_
     if teacher_status:
         return _empty(shared, {"rows_teacher_rejected": 1})
     positions = teacher_positions(teacher, row)
-    topk_ids, topk_lp, observed = positions.topk_ids, positions.logprobs, positions.observed
+    topk_ids, topk_lp, observed = positions.ids, positions.logprobs, positions.observed_logprob
     if positions.dense:
         raise CsdError(f"{where}: the baseline losses read the teacher's stored top-k, not dense log-probs; "
                        "pass the output of `csd-pipeline teacher-logits`.")
@@ -234,9 +234,9 @@ def _pad(parts: list, fill, dtype) -> np.ndarray:
     return out
 
 
-def _finish(out: dict, shared: SharedVocabulary, stats: dict) -> ChunkRows:
+def _finish(out: dict, shared: SharedVocabulary, stats: dict) -> BaselineRows:
     chain = np.asarray(out["chain"], dtype=np.int64).reshape(-1, 3)
-    return ChunkRows(
+    return BaselineRows(
         final_pos=np.asarray(out["final_pos"], dtype=np.int64),
         chunk_shape=np.asarray(out["chunk_shape"], dtype=np.int64),
         chain_pos=chain[:, 0].copy(), chain_tok=chain[:, 1].copy(), chain_chunk=chain[:, 2].copy(),
@@ -251,11 +251,11 @@ def _finish(out: dict, shared: SharedVocabulary, stats: dict) -> ChunkRows:
     )
 
 
-def collate_chunk_rows(rows: list[ChunkRows], row_offsets) -> ChunkRows:
-    """Concatenate row `ChunkRows` into one batch; row i's positions are shifted by row_offsets[i]."""
+def collate_baseline_rows(rows: list[BaselineRows], row_offsets) -> BaselineRows:
+    """Concatenate row `BaselineRows` into one batch; row i's positions are shifted by row_offsets[i]."""
     offsets = [int(o) for o in row_offsets]
     if len(offsets) != len(rows) or not rows:
-        raise CsdError(f"collate_chunk_rows got {len(rows)} rows and {len(offsets)} row offsets; give one per row.")
+        raise CsdError(f"collate_baseline_rows got {len(rows)} rows and {len(offsets)} row offsets; give one per row.")
     n_chunks, chain_chunk, stats = 0, [], {}
     for r in rows:
         chain_chunk.append(r.chain_chunk + n_chunks)
@@ -270,7 +270,7 @@ def collate_chunk_rows(rows: list[ChunkRows], row_offsets) -> ChunkRows:
         parts = [getattr(r, key) for r in rows]
         width = max(p.shape[1] for p in parts)
         padded[key] = cat([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts])
-    return ChunkRows(
+    return BaselineRows(
         final_pos=cat([r.final_pos + o for r, o in zip(rows, offsets, strict=True)]),
         chunk_shape=cat([r.chunk_shape for r in rows]),
         chain_pos=cat([r.chain_pos + o for r, o in zip(rows, offsets, strict=True)]),

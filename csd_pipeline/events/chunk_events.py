@@ -17,8 +17,8 @@ from math import isfinite
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.event_context import EventContext
-from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N, BatchEvents
+from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N, BatchEvents
+from csd_pipeline.events.context import EventContext
 
 
 class EventBuilder:
@@ -50,7 +50,7 @@ class EventBuilder:
         """Open a chunk of `shape` with its student chain gathers [(position, token)]; returns its index.
 
         student_span: (first student token, student tokens) of the chunk; teacher_loglik: the teacher's
-        log-probability of the chunk's observed teacher tokens (both read by `loss.teacher_select`).
+        log-probability of the chunk's observed teacher tokens (both read by `events.teacher_select`).
         """
         c = len(self.chunk_shape)
         self.chunk_shape.append(shape)

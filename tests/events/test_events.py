@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.loss.event_context import EventContext
-from csd_pipeline.loss.events import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N, ce_targets, collate_events
-from csd_pipeline.loss.row_events import build_row_events
+from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, SHAPE_M_N, ce_targets, collate_events
+from csd_pipeline.events.context import EventContext
+from csd_pipeline.events.row_events import build_row_events
 from tests.csd_cases import ACCEPTED, aligned_row, bundle, event_context, load_texts, topk_from_dense
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.events.batch import ce_targets, collate_events
+from csd_pipeline.events.row_events import build_row_events
+from csd_pipeline.events.teacher_select import choose_teachers, chunk_boundaries, select_row, select_windows
 from csd_pipeline.loss.csd import csd_loss
-from csd_pipeline.loss.events import ce_targets, collate_events
-from csd_pipeline.loss.row_events import build_row_events
-from csd_pipeline.loss.teacher_select import choose_teachers, chunk_boundaries, select_row, select_windows
 from tests.csd_cases import ACCEPTED, MISMATCH, aligned_row, event_context, topk_from_dense
 from tests.loss_reference import ReferenceTeacher, ReferenceVocab, reference_loss
 
