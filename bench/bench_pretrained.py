@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-from bench_quality import BIN, ROOT, WINDOW, _read_jsonl, run, side_by_side
+from bench_quality import BIN, ROOT, WINDOW, _read_jsonl, fresh_run, run, side_by_side
 from bench_teachers import bits_per_byte
 
 CORPUS = ROOT / "bench/corpus/multilingual"
@@ -110,11 +109,7 @@ def per_language(dirs: dict, model, side: str, threads: int | None = None) -> di
 def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path,
               threads: int | None = None) -> dict:
     target = out / "runs" / regime / f"{arm.replace(' ', '_')}-seed{seed}"
-    shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
-    if threads:
-        log = target.with_name(target.name + ".log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.unlink(missing_ok=True)
+    log = fresh_run(target, log, threads)
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", dirs["teacher"], "--student", STUDENT,
          *TRAIN, "--output", target, "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],

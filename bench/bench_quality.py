@@ -181,6 +181,18 @@ def run(cmd: list, log: Path, threads: int | None = None) -> None:
         raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
 
 
+def fresh_run(target: Path, log: Path, threads: int | None) -> Path:
+    """Remove an earlier run at `target` (a fresh measurement, never a resumed one); the log to write: `log`, or
+    with `threads` (runs side by side) the run's own log beside it."""
+    shutil.rmtree(target, ignore_errors=True)
+    if not threads:
+        return log
+    own = target.with_name(target.name + ".log")
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.unlink(missing_ok=True)
+    return own
+
+
 def _store_name(flags: list) -> str:
     return "teacher-" + "-".join(str(f).lstrip("-") for f in flags)
 
@@ -213,11 +225,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     """One training run; with `threads` (runs side by side) its output goes to its own log beside the run."""
     teacher = dirs[_store_name(TOP_P_STORES[arm])] if arm in TOP_P_STORES else dirs["teacher"]
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
-    shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
-    if threads:
-        log = target.with_name(target.name + ".log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.unlink(missing_ok=True)
+    log = fresh_run(target, log, threads)
     started = time.perf_counter()
     run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", teacher,
          "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,

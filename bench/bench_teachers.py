@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ from bench_quality import (  # noqa: E402 - the recipe is bench_quality's
     WINDOW,
     _env,
     _read_jsonl,
+    fresh_run,
     run,
     side_by_side,
 )
@@ -161,11 +161,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     """One training run; with `threads` (runs side by side) its output goes to its own log beside the run."""
     spec = regime_spec(regime)
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
-    shutil.rmtree(target, ignore_errors=True)  # a fresh measurement, never a resumed one
-    if threads:
-        log = target.with_name(target.name + ".log")
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.unlink(missing_ok=True)
+    log = fresh_run(target, log, threads)
     teachers = [flag for i in range(len(spec["teachers"])) for flag in ("--teacher-logits", dirs[f"teacher{i}"])]
     warmup = min(spec.get("warmup", WARMUP_STEPS), steps // 4)
     points = spec.get("eval_points", EVAL_POINTS)
