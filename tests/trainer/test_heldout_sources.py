@@ -118,3 +118,17 @@ def test_window_sums_and_the_tally():
     with pytest.raises(CsdError, match="do not match"):
         window_nats(logprobs, [2, 2])
 
+
+def test_the_eval_line_names_each_source_and_trackers_skip_the_dict(tmp_path, capsys):
+    from trainer.metrics import MetricsLogger
+    from trainer.trackers import tracker_values
+
+    record = {"step": 4, "bits_per_byte": 1.5, "sources": {"/c/de.txt": {"bits_per_byte": 1.75, "bytes": 3},
+                                                           "/c/en.txt": {"bits_per_byte": 1.25, "bytes": 5}}}
+    logger = MetricsLogger(tmp_path, True, 4, 0, progress=False)
+    logger.log_eval(record)
+    logger.close()
+    err = capsys.readouterr().err
+    assert "eval step 4: bits_per_byte 1.5000\n" in err and "per source: de.txt 1.7500, en.txt 1.2500" in err
+    assert json.loads((tmp_path / "eval.jsonl").read_text()) == record
+    assert tracker_values(record, "eval") == {"eval/bits_per_byte": 1.5}
