@@ -119,6 +119,15 @@ def test_window_sums_and_the_tally():
         window_nats(logprobs, [2, 2])
 
 
+def test_report_of_the_run_has_a_row_and_a_panel_per_source(run, tmp_path):
+    from csd_pipeline.report.render import write_report
+
+    text = write_report([run], tmp_path / "report").read_text(encoding="utf-8")
+    for name in SOURCES:
+        assert f"{name}` | " in text and "(step 3) |" in text
+    assert (tmp_path / "report" / "training-heldout-sources.png").is_file()
+
+
 def test_the_eval_line_names_each_source_and_trackers_skip_the_dict(tmp_path, capsys):
     from trainer.metrics import MetricsLogger
     from trainer.trackers import tracker_values
