@@ -22,7 +22,8 @@ import click
 @click.option("--max-rows", default=0, show_default=True, help="Score at most N windows (0: all).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the model repository's own code (off by default).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (with `sources`: the same figures per corpus file).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bits_per_byte(aligned, model_arg, side, seq_len, batch_size, max_rows, device, trust_remote_code, as_json, quiet):
     """Held-out bits per byte of MODEL on the aligned folder's text."""
@@ -55,3 +56,6 @@ def bits_per_byte(aligned, model_arg, side, seq_len, batch_size, max_rows, devic
     else:
         click.echo(f"{model_arg} on {aligned} ({side}): {result['bits_per_byte']:.4f} bits/byte "
                    f"over {result['bytes']} bytes, {result['tokens']} tokens")
+        if len(result["sources"]) > 1:
+            for source, figures in result["sources"].items():
+                click.echo(f"  {source}: {figures['bits_per_byte']:.4f} bits/byte over {figures['bytes']} bytes")

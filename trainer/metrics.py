@@ -90,7 +90,12 @@ class MetricsLogger:
             handle.write(json.dumps(clean, sort_keys=True) + "\n")
         self._track(clean, "eval")
         self.message(f"eval step {clean['step']}: " + ", ".join(
-            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in clean.items() if k != "step"))
+            f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in clean.items()
+            if k != "step" and not isinstance(v, dict)))
+        sources = clean.get("sources") or {}
+        if len(sources) > 1:  # per source: the file name and its bits per byte (eval.jsonl has the rest)
+            self.message("  per source: " + ", ".join(f"{Path(s).name} {f['bits_per_byte']:.4f}"
+                                                      for s, f in sources.items()))
 
     def _track(self, record: dict, prefix: str) -> None:
         if self._trackers:

@@ -43,6 +43,18 @@ class TrainingRun:
                   if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
         return [p[0] for p in points], [p[1] for p in points]
 
+    def sources(self) -> list[str]:
+        """The sources of the held-out evaluations that recorded per-source figures (`eval.jsonl`'s "sources"),
+        sorted."""
+        return sorted({s for r in self.evals if isinstance(r.get("sources"), dict) for s in r["sources"]})
+
+    def source_series(self, source: str) -> tuple[list, list]:
+        """(steps, held-out bits per byte of `source`), leaving out evaluations without a finite figure for it."""
+        points = [(r["step"], float(f["bits_per_byte"])) for r in self.evals
+                  if isinstance(r.get("sources"), dict) and isinstance(f := r["sources"].get(source), dict)
+                  and isinstance(f.get("bits_per_byte"), (int, float)) and f["bits_per_byte"] == f["bits_per_byte"]]
+        return [p[0] for p in points], [p[1] for p in points]
+
 
 def recognise(directory) -> Folder:
     """The `Folder` of `directory`. Raises `CsdError` (one line, saying what to pass) for anything else."""

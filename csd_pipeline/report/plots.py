@@ -219,6 +219,37 @@ def heldout(runs, out: Path, name: str) -> str | None:
     return _save(fig, out, name)
 
 
+def heldout_sources(runs, out: Path, name: str, limit: int = 12) -> str | None:
+    """Held-out bits per byte per source at each evaluation: one panel per source (its own scale: languages
+    differ), one line per run; runs with fewer than two sources are left out."""
+    from csd_pipeline.report.stats import source_label
+
+    drawn = [(i, r) for i, r in enumerate(runs) if len(r.sources()) > 1]
+    sources = sorted({s for _, r in drawn for s in r.sources()})[:limit]
+    if not sources:
+        return None
+    plt = pyplot()
+    columns = min(3, len(sources))
+    rows = -(-len(sources) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.9 * columns + 0.5, 3.1 * rows + 0.4), squeeze=False)
+    for ax, source in zip(axes.ravel(), sources):
+        for i, run in drawn:
+            steps, values = run.source_series(source)
+            if steps:
+                change = f" ({(values[-1] - values[0]) / values[0]:+.1%})" if len(steps) > 1 and values[0] else ""
+                ax.plot(steps, values, marker="o", ms=3, color=COLORS[i % len(COLORS)],
+                        label=f"{run.label}: {values[-1]:.4f}{change}")
+        ax.set_title(source_label(source, 36), fontsize=10)
+        ax.set(xlabel="step", ylabel="bits/byte")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.ravel()[len(sources):]:
+        ax.set_visible(False)
+    fig.suptitle("held-out bits per byte per source (lower is better; in brackets: change since the first "
+                 "evaluation)", fontsize=11)
+    return _save(fig, out, name)
+
+
 def event_coverage(runs, out: Path, name: str) -> str | None:
     """Teacher mass on explicit events and student REST mass during training (CSD runs)."""
     # one teacher: `teacher_event_mass`; several: `teacher{i}_teacher_event_mass` (trainer.loop)

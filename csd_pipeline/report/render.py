@@ -3,7 +3,8 @@
 Each folder is recognised (`folders.recognise`): an aligned output gets its chunk shapes, statuses
 by reason, window lengths and per-source coverage (`stats.aligned_tables`); a teacher top-k output
 the teacher mass on explicit events and its distribution (`coverage.teacher_coverage`); training runs
-are drawn together (loss, CE, KD, held-out bits per byte, event coverage), so arms compare at a glance.
+are drawn together (loss, CE, KD, held-out bits per byte, per source when the held-out folder has several
+sources, event coverage), so arms compare at a glance.
 The folder holds only the report: `report.md` and `*.png` it refers to by relative name.
 """
 
@@ -157,6 +158,33 @@ def _training_section(runs, out: Path) -> list[str]:
                        else "-" for k in ("loss", "ce", "kd")),
                      f"{bpb[-1]:.4f} (step {steps[-1]})" if bpb else "-", f"{min(bpb):.4f}" if bpb else "-"])
     lines += _table(["run", "loss", "steps", "last loss", "last CE", "last KD", "held-out bits/byte", "best"], rows)
-    return lines + _images(plots.training_curves(runs, out, "training-curves.png"),
-                           plots.heldout(runs, out, "training-heldout.png"),
+    lines += _images(plots.training_curves(runs, out, "training-curves.png"),
+                     plots.heldout(runs, out, "training-heldout.png"))
+    lines += _sources_table(runs)
+    return lines + _images(plots.heldout_sources(runs, out, "training-heldout-sources.png"),
                            plots.event_coverage(runs, out, "training-event-coverage.png"))
+
+
+def _sources_table(runs) -> list[str]:
+    """Held-out bits per byte per source at the last evaluation, with the change since the first (runs whose
+    held-out folder has several sources)."""
+    from csd_pipeline.report.stats import source_label
+
+    rows = []
+    for run in runs:
+        sources = run.sources()
+        if len(sources) < 2:
+            continue
+        for source in sources:
+            steps, values = run.source_series(source)
+            if not steps:
+                continue
+            change = values[-1] - values[0]
+            rows.append([run.label, f"`{source_label(source)}`", f"{values[-1]:.4f} (step {steps[-1]})",
+                         f"{values[0]:.4f} (step {steps[0]})",
+                         f"{change:+.4f} ({change / values[0]:+.1%})" if len(steps) > 1 and values[0] else "-"])
+    if not rows:
+        return []
+    return ["Held-out bits per byte per source (the corpus file of each held-out window; lower is better): the "
+            "last evaluation, and its change since the first.", ""] + _table(
+        ["run", "source", "last", "first", "change"], rows)

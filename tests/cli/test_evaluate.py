@@ -43,6 +43,9 @@ def test_cli_matches_a_brute_force_count(trainer_data, tiny_model, run_cli):
     expected, n_bytes = brute_force_bits_per_byte(tiny_model, aligned)
     assert result["side"] == "student" and result["bytes"] == n_bytes
     assert result["bits_per_byte"] == pytest.approx(expected, rel=1e-5)
+    (source, figures), = result["sources"].items()  # one corpus file: its figures are the overall ones
+    assert source.endswith("devil-slice.txt") and figures["bytes"] == n_bytes and figures["tokens"] == result["tokens"]
+    assert figures["bits_per_byte"] == pytest.approx(result["bits_per_byte"], rel=1e-12)
     # a freshly initialised model is close to uniform: about ln(32000) nats per token
     assert abs(result["nats"] / result["tokens"] - math.log(32000)) < 0.5
 

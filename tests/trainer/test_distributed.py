@@ -53,3 +53,30 @@ def test_two_gloo_ranks_learn(trainer_data, tmp_path):
     states = [json.loads((final / "ranks" / f"rank-{r:05d}.json").read_text())["loader"] for r in (0, 1)]
     assert all(s["version"] == 2 and len(s["lanes"]) == 2 for s in states)
     assert (output / "export" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_sum_the_heldout_figures_per_source(trainer_data, tmp_path):
+    """Each rank scores its own held-out rows; the per-source sums are all-reduced like the overall ones, so
+    they match one process scoring every row of the exported student."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from csd_pipeline.evaluation.bits_per_byte import bits_per_byte
+    from tests.trainer_cases import DATA, align
+
+    heldout = align([DATA / "devil-slice.txt", DATA / "kjv-genesis-slice.txt"], tmp_path / "heldout")
+    output = tmp_path / "run"
+    run = torchrun(2, ["--aligned", str(trainer_data["train"]), "--student-config", str(trainer_data["student_config"]),
+                       "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "2",
+                       "--seq-len", "128", "--batch-size", "1", "--lr", "3e-3", "--warmup-steps", "1",
+                       "--save-every", "0", "--workers", "0", "--no-progress", "--eval-aligned", str(heldout)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = [json.loads(line) for line in open(output / "eval.jsonl", encoding="utf-8")][-1]
+    model = AutoModelForCausalLM.from_pretrained(output / "export", dtype=torch.float32).eval()
+    alone = bits_per_byte(model, heldout, seq_len=128, batch_size=1)
+    assert len(logged["sources"]) == 2 and set(logged["sources"]) == set(alone["sources"])
+    for source, figures in alone["sources"].items():
+        assert {k: logged["sources"][source][k] for k in ("bytes", "tokens", "rows")} == \
+            {k: figures[k] for k in ("bytes", "tokens", "rows")}
+        assert logged["sources"][source]["bits_per_byte"] == pytest.approx(figures["bits_per_byte"], rel=1e-5)
