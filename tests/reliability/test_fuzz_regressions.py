@@ -1,0 +1,144 @@
+"""The defects the reader fuzz tests found (tests/reliability/test_fuzz_*.py), each as its minimal example.
+
+Before the fix each of these raised another exception type (a traceback for the user) or read a damaged
+file as other values; now each is one `CsdError` line naming the file, or (a damaged completion record)
+the shard is written again."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from csd_pipeline.errors import CsdError
+
+SHARD = {"name": "part-00000-00000", "file": "part-00000-00000.parquet", "rows": 1, "bytes": 10, "sha256": "0" * 64}
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def aligned_manifest(**changes) -> dict:
+    manifest = {"manifest_version": 1, "stage": "align", "schema_version": 1, "shards": [dict(SHARD)],
+                "config": {"mode": "text"}, "tokenizers": {"student": {}, "teachers": []}, "tables": [], "totals": {}}
+    manifest.update(changes)
+    return manifest
+
+
+def open_aligned(folder: Path, text: str):
+    from csd_pipeline.align.output import AlignedOutput
+
+    folder.mkdir(exist_ok=True)
+    (folder / "manifest.json").write_text(text, encoding="utf-8")
+    return AlignedOutput.open(folder)
+
+
+@pytest.mark.parametrize("text", [
+    json.dumps(aligned_manifest(config=True)),  # was AttributeError ('bool' object has no attribute 'get')
+    json.dumps(aligned_manifest(shards=[{k: v for k, v in SHARD.items() if k != "bytes"}])),  # was KeyError
+    json.dumps(aligned_manifest(shards=5)),  # was TypeError
+    json.dumps(aligned_manifest(shards=[dict(SHARD, rows=-1)])),  # was read as a count
+    json.dumps(aligned_manifest(shards=[dict(SHARD, name="")])),  # was read: a shard whose name is not its file's
+    json.dumps(aligned_manifest(tokenizers={"teachers": [{"size": "x"}]})),  # was ValueError, later
+    json.dumps(aligned_manifest())[:-1] + ', "config": {"mode": "chat"}}',  # duplicate key: was the last one wins
+    json.dumps(aligned_manifest(totals=DEEP)).replace(json.dumps(DEEP), DEEP),  # was RecursionError
+    json.dumps(aligned_manifest()).replace('"rows": 1', '"rows": ' + "9" * 5000),  # was ValueError (digit limit)
+])
+def test_damaged_manifest_is_one_error_naming_it(tmp_path, text):
+    with pytest.raises(CsdError, match=str(tmp_path / "aligned")) as err:
+        open_aligned(tmp_path / "aligned", text)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["null", DEEP, '{"tasks": [{"index": "0", "name": "a", "spec": {}}]}'])
+def test_damaged_run_record_is_one_error_naming_it(tmp_path, text):
+    from csd_pipeline.runtime.run_record import read_run_record
+
+    (tmp_path / "run.json").write_text(text)  # was AttributeError, RecursionError, a task with a string index
+    with pytest.raises(CsdError, match=str(tmp_path / "run.json")):
+        read_run_record(tmp_path)
+
+
+@pytest.mark.parametrize("change", [{"file": None}, {"stats": {"documents": "many"}}, {"rows": True}])
+def test_damaged_completion_record_is_ignored_and_the_shard_written_again(tmp_path, change):
+    from csd_pipeline.runtime.run_record import read_marker
+
+    (tmp_path / "done").mkdir()
+    (tmp_path / "part-00000-00000.parquet").write_bytes(b"x" * 10)
+    marker = {**SHARD, "index": 0, "stats": {"documents": 1}}
+    (tmp_path / "done" / "part-00000-00000.done").write_text(json.dumps(marker))
+    assert read_marker(tmp_path, "part-00000-00000", ".parquet") == marker
+    # was accepted as complete, then a TypeError when the manifest was built (merge_stats) or a manifest with file null
+    (tmp_path / "done" / "part-00000-00000.done").write_text(json.dumps({**marker, **change}))
+    assert read_marker(tmp_path, "part-00000-00000", ".parquet") is None
+
+
+def table_file(tables_for, tmp_path) -> tuple[Path, bytes]:
+    from csd_pipeline.vocab.tables import load_table
+
+    path = tmp_path / "table.safetensors"
+    load_table(tables_for("llama-spm", "smollm2")[0]).save(path)
+    return path, path.read_bytes()
+
+
+def test_flipped_table_metadata_is_refused(tables_for, tmp_path):
+    from csd_pipeline.vocab.tables import load_table
+
+    path, data = table_file(tables_for, tmp_path)
+    for old, new in ((b'\\"bos\\": 1', b'\\"bos\\": 0'), (b'\\"adds_bos\\"', b'\\"adds_bot\\"')):
+        assert data.count(old) >= 1, old
+        path.write_bytes(data.replace(old, new, 1))  # same size: was a table with BOS id 0, or a KeyError
+        with pytest.raises(CsdError, match=f"table {path}: its metadata does not match its checksum"):
+            load_table(path)
+
+
+def test_table_metadata_that_is_not_json_is_refused(tables_for, tmp_path):
+    from csd_pipeline.vocab.tables import load_table
+
+    path, data = table_file(tables_for, tmp_path)
+    at = data.index(b'"csd_table":"{') + len(b'"csd_table":"')
+    path.write_bytes(data[:at] + b"[" + data[at + 1:])  # the safetensors header stays valid: was json.JSONDecodeError
+    with pytest.raises(CsdError, match=f"table {path}"):
+        load_table(path)
+
+
+@pytest.mark.parametrize("text", ["null", DEEP, "[1]"])
+def test_damaged_tokenizer_config_is_one_error_naming_it(tokenizer_path, tmp_path, text):
+    import shutil
+
+    from csd_pipeline.vocab.tokenizer_files import open_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_path("llama-spm"), folder)
+    (folder / "tokenizer_config.json").write_text(text)  # was AttributeError or RecursionError
+    with pytest.raises(CsdError, match="tokenizer_config.json"):
+        open_tokenizer(str(folder))
+
+
+def test_empty_compressed_corpus_is_refused(tmp_path):
+    from csd_pipeline.align.corpus import ReadOptions, discover, plan_shards
+
+    path = tmp_path / "corpus.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "a"}\n')[:0])  # a gzip file cut to nothing: was an empty corpus
+    with pytest.raises(CsdError, match=str(path)):
+        plan_shards(discover([str(path)]), ReadOptions(), 1000)
+
+
+@pytest.mark.parametrize("text", [DEEP, "[]", '{"version": 1, "version": 2}'])
+def test_damaged_checkpoint_complete_json_is_one_error_naming_it(tmp_path, text):
+    from trainer import checkpoint
+
+    (tmp_path / checkpoint.COMPLETE_FILE).write_text(text)  # was RecursionError (a list or a repeated key: now refused)
+    with pytest.raises(CsdError, match=f"checkpoint {tmp_path} is unreadable"):
+        checkpoint.read_complete(tmp_path)
+
+
+@pytest.mark.parametrize("text", [json.dumps({"chat_template": "x"}).replace('"x"', DEEP),
+                                  json.dumps({"chat_template": [{"name": ["default"], "template": "x"}]})])
+def test_damaged_template_config_is_one_error_naming_it(tmp_path, text):
+    from csd_pipeline.align.templates import load_chat_template
+
+    path = tmp_path / "tokenizer_config.json"
+    path.write_text(text)  # was RecursionError; TypeError (a list as a template name)
+    with pytest.raises(CsdError, match=str(path)):
+        load_chat_template(None, str(path), "student")
