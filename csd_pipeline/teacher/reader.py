@@ -164,7 +164,22 @@ class TeacherTopkOutput:
     def __init__(self, directory, manifest: dict):
         self.directory = Path(directory)
         self.manifest = manifest
+        self._check_config()
         self.shard_files = [shard["file"] for shard in manifest["shards"]]
+
+    def _check_config(self) -> None:
+        """Raise `ManifestError` unless the config values this class reads have the types teacher-logits writes."""
+        from csd_pipeline.errors import ManifestError
+
+        config = self.manifest.get("config", {})
+        kinds = {"top_k": (int,), "top_p": (int, float), "min_p": (int, float), "tail_samples": (int,),
+                 "keep": (str,), "teacher_index": (int,)}
+        bad = "config" if not isinstance(config, dict) else next(
+            (key for key, allowed in kinds.items() if config.get(key) is not None
+             and (type(config[key]) not in allowed or (allowed == (int,) and config[key] < 0))), None)
+        if bad:
+            raise ManifestError(f"{self.directory / 'manifest.json'} is malformed (its {bad} does not have the type "
+                                f"teacher-logits writes); re-run {TEACHER_RERUN} into a new --output.")
 
     @classmethod
     def open(cls, directory) -> TeacherTopkOutput:

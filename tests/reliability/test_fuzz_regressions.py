@@ -6,7 +6,6 @@ the shard is written again."""
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
@@ -115,15 +114,6 @@ def test_damaged_tokenizer_config_is_one_error_naming_it(tokenizer_path, tmp_pat
         open_tokenizer(str(folder))
 
 
-def test_empty_compressed_corpus_is_refused(tmp_path):
-    from csd_pipeline.align.corpus import ReadOptions, discover, plan_shards
-
-    path = tmp_path / "corpus.jsonl.gz"
-    path.write_bytes(gzip.compress(b'{"text": "a"}\n')[:0])  # a gzip file cut to nothing: was an empty corpus
-    with pytest.raises(CsdError, match=str(path)):
-        plan_shards(discover([str(path)]), ReadOptions(), 1000)
-
-
 @pytest.mark.parametrize("text", [DEEP, "[]", '{"version": 1, "version": 2}'])
 def test_damaged_checkpoint_complete_json_is_one_error_naming_it(tmp_path, text):
     from trainer import checkpoint
@@ -142,3 +132,15 @@ def test_damaged_template_config_is_one_error_naming_it(tmp_path, text):
     path.write_text(text)  # was RecursionError; TypeError (a list as a template name)
     with pytest.raises(CsdError, match=str(path)):
         load_chat_template(None, str(path), "student")
+
+
+@pytest.mark.parametrize("config", [{"top_k": [8]}, {"keep": 5}, {"teacher_index": -1}, []])
+def test_damaged_teacher_manifest_config_is_one_error_naming_it(tmp_path, config):
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+
+    manifest = {"manifest_version": 1, "stage": "teacher-logits", "schema_version": 2, "shards": [dict(SHARD)],
+                "config": config, "totals": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    # was opened, then a TypeError (or a negative teacher index) when csd-train read the value
+    with pytest.raises(CsdError, match=str(tmp_path / "manifest.json")):
+        TeacherTopkOutput.open(tmp_path)

@@ -71,30 +71,47 @@ def aligned_values(out: AlignedOutput):
     return (out.shards, out.mode, out.context_token, out.num_teachers, out.teacher_tokenizer(0), out.tables(0), rows)
 
 
-def fuzz_manifest(outputs, settings, name):
-    folder = outputs["aligned"]
+def teacher_values(out, aligned: AlignedOutput):
+    """What csd-train takes from a teacher output: its checked shards and their rows, the config it reads."""
+    out.verify()
+    out.check_pairs_with(aligned)
+    return (out.shard_files, out.top_k, out.top_p, out.min_p, out.tail_samples, out.keep, out.teacher_index,
+            [teacher_rows(out.shard(i)) for i in range(len(out.shard_files))])
+
+
+def fuzz_manifest(outputs, settings, stage):
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+
+    folder = outputs[stage]
     target = Mutated(folder / "manifest.json")
-    expected = aligned_values(AlignedOutput.open(folder))
-    outcomes = fc.Outcomes("stage manifest (align manifest.json, AlignedOutput.open)", REASONS)
+    if stage == "aligned":
+        reader, values = AlignedOutput, aligned_values
+    else:
+        aligned = AlignedOutput.open(outputs["aligned"])
+        reader, values = TeacherTopkOutput, lambda out: teacher_values(out, aligned)
+    expected = values(reader.open(folder))
+    outcomes = fc.Outcomes(f"stage manifest ({stage} manifest.json, {reader.__name__}.open)", REASONS)
 
     @settings
     @given(mutation=fc.json_file_mutations(target.original))
     def example(mutation):
         kind, data = mutation
         with target(data):
-            outcomes.check(lambda: AlignedOutput.open(folder), (str(folder),), expected, aligned_values, kind)
+            outcomes.check(lambda: reader.open(folder), (str(folder),), expected, values, kind)
 
     example()
     outcomes.report()
 
 
-def test_fuzz_manifest(outputs):
-    fuzz_manifest(outputs, fc.FAST, "fast")
+@pytest.mark.parametrize("stage", ["aligned", "teacher"])
+def test_fuzz_manifest(outputs, stage):
+    fuzz_manifest(outputs, fc.FAST, stage)
 
 
 @pytest.mark.slow
-def test_fuzz_manifest_slow(outputs):
-    fuzz_manifest(outputs, fc.SLOW, "slow")
+@pytest.mark.parametrize("stage", ["aligned", "teacher"])
+def test_fuzz_manifest_slow(outputs, stage):
+    fuzz_manifest(outputs, fc.SLOW, stage)
 
 
 # ---------------------------------------------------------------------------------------------

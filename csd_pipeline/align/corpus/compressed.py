@@ -123,8 +123,6 @@ class FrameStream(io.RawIOBase):
                 if not self._pending:
                     self._pending_at = self._raw.tell()
                     self._pending = self._raw.read(_COMPRESSED_READ)
-                    if not self._pending and self._pending_at == 0:  # no frame at all: not even an empty corpus
-                        raise _Broken(True, "the file is empty, without even one compressed frame", 0)
                     if not self._pending:
                         return None
                 self._decoder, self._frame_at = _decoder(self._compression), self._pending_at
