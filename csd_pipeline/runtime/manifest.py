@@ -110,6 +110,8 @@ def _check_shape(manifest: dict, path: Path) -> None:
     for key in ("config", "totals"):
         if not isinstance(manifest.get(key, {}), dict):
             refuse(f"its {key} is not an object")
+    if not isinstance(manifest.get("tables", []), list):
+        refuse("its tables are not a list")
 
 
 def shard_paths(manifest: dict, directory) -> list[Path]:

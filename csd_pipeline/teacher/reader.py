@@ -174,9 +174,11 @@ class TeacherTopkOutput:
         config = self.manifest.get("config", {})
         kinds = {"top_k": (int,), "top_p": (int, float), "min_p": (int, float), "tail_samples": (int,),
                  "keep": (str,), "teacher_index": (int,)}
-        bad = "config" if not isinstance(config, dict) else next(
+        bad = next((key for key in ("config", "aligned", "teacher") if not isinstance(self.manifest.get(key, {}), dict)),
+                   None) or next(
             (key for key, allowed in kinds.items() if config.get(key) is not None
-             and (type(config[key]) not in allowed or (allowed == (int,) and config[key] < 0))), None)
+             and (type(config[key]) not in allowed or (allowed == (int,) and config[key] < 0)
+                  or (allowed != (int,) and not 0 <= config[key] <= 1))), None)
         if bad:
             raise ManifestError(f"{self.directory / 'manifest.json'} is malformed (its {bad} does not have the type "
                                 f"teacher-logits writes); re-run {TEACHER_RERUN} into a new --output.")

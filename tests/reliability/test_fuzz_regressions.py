@@ -42,6 +42,7 @@ def open_aligned(folder: Path, text: str):
     json.dumps(aligned_manifest())[:-1] + ', "config": {"mode": "chat"}}',  # duplicate key: was the last one wins
     json.dumps(aligned_manifest(totals=DEEP)).replace(json.dumps(DEEP), DEEP),  # was RecursionError
     json.dumps(aligned_manifest()).replace('"rows": 1', '"rows": ' + "9" * 5000),  # was ValueError (digit limit)
+    json.dumps(aligned_manifest(tables=10**400)),  # was TypeError ('int' object is not iterable)
 ])
 def test_damaged_manifest_is_one_error_naming_it(tmp_path, text):
     with pytest.raises(CsdError, match=str(tmp_path / "aligned")) as err:
@@ -134,7 +135,8 @@ def test_damaged_template_config_is_one_error_naming_it(tmp_path, text):
         load_chat_template(None, str(path), "student")
 
 
-@pytest.mark.parametrize("config", [{"top_k": [8]}, {"keep": 5}, {"teacher_index": -1}, []])
+@pytest.mark.parametrize("config", [{"top_k": [8]}, {"keep": 5}, {"teacher_index": -1}, [], {"top_p": 10**400},
+                                    {"top_p": 2}])
 def test_damaged_teacher_manifest_config_is_one_error_naming_it(tmp_path, config):
     from csd_pipeline.teacher.reader import TeacherTopkOutput
 
@@ -144,3 +146,39 @@ def test_damaged_teacher_manifest_config_is_one_error_naming_it(tmp_path, config
     # was opened, then a TypeError (or a negative teacher index) when csd-train read the value
     with pytest.raises(CsdError, match=str(tmp_path / "manifest.json")):
         TeacherTopkOutput.open(tmp_path)
+
+
+def test_teacher_manifest_whose_aligned_record_is_not_an_object_is_refused(tmp_path):
+    from csd_pipeline.teacher.reader import TeacherTopkOutput
+
+    manifest = {"manifest_version": 1, "stage": "teacher-logits", "schema_version": 2, "shards": [dict(SHARD)],
+                "config": {}, "aligned": True, "totals": {}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))  # was AttributeError in check_pairs_with
+    with pytest.raises(CsdError, match=str(tmp_path / "manifest.json")):
+        TeacherTopkOutput.open(tmp_path)
+
+
+def test_tokenizer_json_with_an_added_token_without_content_is_refused(tokenizer_path, tmp_path, monkeypatch):
+    import shutil
+
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
+
+    monkeypatch.setenv("CSD_VOCAB_CACHE", "off")
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_path("llama-spm"), folder)
+    text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+    (folder / "tokenizer.json").write_text(text.replace('"content"', '"contenu"', 1), encoding="utf-8")
+    with pytest.raises(CsdError, match="tokenizer.json is malformed"):  # was KeyError: 'content'
+        load_tokenizer(str(folder))
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_corpus_nested_too_deeply_is_a_broken_record(tmp_path, suffix):
+    from csd_pipeline.align.corpus import ReadOptions, discover, plan_shards, read_segment
+
+    path = tmp_path / f"corpus{suffix}"
+    path.write_text('{"text": "a"}\n' + DEEP + "\n")  # was RecursionError
+    files, options = discover([str(path)]), ReadOptions()
+    segments = [segment for shard in plan_shards(files, options, 1000) for segment in shard]
+    reasons = [d.reason for segment in segments for d in read_segment(files[segment["file"]], segment, options)]
+    assert reasons == [None, "broken_json"]

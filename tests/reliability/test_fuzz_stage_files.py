@@ -14,18 +14,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from csd_pipeline.align.output import AlignedOutput
+from csd_pipeline.errors import CsdError
 from tests.reliability import fuzz_cases as fc
 
 DATA = Path(__file__).parents[1] / "data"
-REASONS = {
-    "not readable JSON": r"not a readable JSON|is unreadable|not readable JSON|not valid JSON",
-    "not a manifest / wrong version": r"not a csd-pipeline manifest|manifest version|is the output of stage|schema version",
-    "malformed entry": r"malformed|must be|is not a|not an? ",
-    "path outside the folder": r"leads outside|absolute path|not a file name inside|sub-folder|not one of the --corpus",
-    "sha256 differs": r"sha256",
-    "size or rows differ": r"has \d+ bytes|rows|is missing",
-    "damaged shard": r"is damaged|corrupt|unreadable|missing or unreadable",
-    "another run": r"another|differ",
+REASONS = {  # the first that matches names the refusal in the counts
+    "not readable JSON": r"not a readable JSON|is unreadable \(",
+    "another run recorded": r"holds the output of another|started by another version",
+    "path outside the folder": r"leads outside|an absolute path|not a file name inside|sub-folder|not one of the --corpus",
+    "not a manifest, another stage or version": r"not a csd-pipeline manifest|manifest version|is the output of stage|"
+                                                r"schema version \S+, which",
+    "malformed (wrong type or value)": r"is malformed",
+    "sha256 differs from the manifest": r"sha256",
+    "size or rows differ from the manifest": r"has \d+ bytes, the manifest|rows|is missing$",
+    "not a teacher shard / unknown encoding": r"not a teacher top-k shard|has schema version|not an encoding",
+    "damaged shard (page checksum, footer, decode)": r"is damaged|corrupt|unreadable|is missing or unreadable",
     "table mismatch": r"table",
 }
 
@@ -75,6 +78,8 @@ def teacher_values(out, aligned: AlignedOutput):
     """What csd-train takes from a teacher output: its checked shards and their rows, the config it reads."""
     out.verify()
     out.check_pairs_with(aligned)
+    if out.teacher_index >= aligned.num_teachers:  # what csd-train checks (trainer/data.py)
+        raise CsdError(f"--teacher-logits {out.directory} is teacher {out.teacher_index}; {aligned.num_teachers} aligned")
     return (out.shard_files, out.top_k, out.top_p, out.min_p, out.tail_samples, out.keep, out.teacher_index,
             [teacher_rows(out.shard(i)) for i in range(len(out.shard_files))])
 
