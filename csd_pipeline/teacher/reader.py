@@ -104,7 +104,11 @@ class TeacherShard(Sequence):
         lengths = self.positions[first:last][ok]
         mask = np.ones(int(lengths.sum()), dtype=bool)
         mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
-        ids, logprobs, observed, entry_counts = decode_block(payload, mask)
+        try:
+            ids, logprobs, observed, entry_counts = decode_block(payload, mask)
+        except CsdError as err:  # the codec knows the block, not the file
+            raise CsdError(f"teacher shard {self.path}, block {block}: {str(err).removeprefix('teacher top-k block: ')}"
+                           ) from None
         if ids.shape[1] != self.k:
             raise CsdError(f"teacher shard {self.path}: block {block} holds {ids.shape[1]} entries per position, the "
                            f"shard says {self.k}; the file is corrupt, re-run teacher-logits.")
@@ -172,13 +176,20 @@ class TeacherTopkOutput:
         from csd_pipeline.errors import ManifestError
 
         config = self.manifest.get("config", {})
-        kinds = {"top_k": (int,), "top_p": (int, float), "min_p": (int, float), "tail_samples": (int,),
-                 "keep": (str,), "teacher_index": (int,)}
+        counts, fractions = ("top_k", "tail_samples", "teacher_index"), ("top_p", "min_p")
+
+        def wrong(key: str) -> bool:
+            value = config.get(key)
+            if value is None:
+                return False
+            if key in counts:
+                return type(value) is not int or value < 0
+            if key in fractions:
+                return type(value) not in (int, float) or not 0 <= value <= 1
+            return not isinstance(value, str)  # keep
+
         bad = next((key for key in ("config", "aligned", "teacher") if not isinstance(self.manifest.get(key, {}), dict)),
-                   None) or next(
-            (key for key, allowed in kinds.items() if config.get(key) is not None
-             and (type(config[key]) not in allowed or (allowed == (int,) and config[key] < 0)
-                  or (allowed != (int,) and not 0 <= config[key] <= 1))), None)
+                   None) or next((key for key in (*counts, *fractions, "keep") if wrong(key)), None)
         if bad:
             raise ManifestError(f"{self.directory / 'manifest.json'} is malformed (its {bad} does not have the type "
                                 f"teacher-logits writes); re-run {TEACHER_RERUN} into a new --output.")

@@ -182,3 +182,24 @@ def test_corpus_nested_too_deeply_is_a_broken_record(tmp_path, suffix):
     segments = [segment for shard in plan_shards(files, options, 1000) for segment in shard]
     reasons = [d.reason for segment in segments for d in read_segment(files[segment["file"]], segment, options)]
     assert reasons == [None, "broken_json"]
+
+
+def test_undecodable_block_of_an_unchecked_teacher_shard_names_the_shard(tiny_teacher, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
+    from tests.trainer_cases import DATA, align
+
+    aligned = align([DATA / "devil-slice.txt"], tmp_path / "aligned")
+    run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher=str(tiny_teacher), output=str(tmp_path / "t"),
+                                           top_k=8, batch_tokens=512, device="cpu"), log=None)
+    file = json.loads((tmp_path / "t" / "manifest.json").read_text())["shards"][0]["file"]
+    table = pq.read_table(tmp_path / "t" / file)
+    payload = table.column("payload").to_pylist()
+    payload[0] = payload[0][:-1]  # a payload cut short, in a file whose page checksums agree with it
+    table = table.set_column(table.schema.get_field_index("payload"), "payload", pa.array(payload, pa.binary()))
+    pq.write_table(table, tmp_path / "t" / file, row_group_size=len(table), store_schema=True)
+    with pytest.raises(CsdError, match=f"teacher shard {tmp_path / 't' / file}, block 0"):  # was: no file named
+        list(read_teacher_shard(tmp_path / "t", file))

@@ -329,3 +329,44 @@ def test_fuzz_codec(outputs):
 @pytest.mark.slow
 def test_fuzz_codec_slow(outputs):
     fuzz_codec(outputs, fc.SLOW)
+
+
+def fuzz_old_teacher_shard(outputs, settings, tmp_path):
+    """A shard written before page checksums, read without its manifest's hash (`read_teacher_shard(DIR, FILE)`):
+    nothing can tell a flipped payload byte from the teacher's values, but every read ends in a refusal naming
+    the shard or in rows, never in another exception."""
+    import pyarrow.parquet as pq
+
+    from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_KEY
+    from csd_pipeline.teacher.reader import read_teacher_shard
+
+    folder = tmp_path / "teacher"
+    shutil.copytree(outputs["teacher"], folder)
+    file = json.loads((folder / "manifest.json").read_text())["shards"][0]["file"]
+    table = pq.read_table(folder / file)
+    metadata = {k: v for k, v in table.schema.metadata.items() if k != PAGE_CHECKSUM_KEY}
+    pq.write_table(table.replace_schema_metadata(metadata), folder / file, compression="zstd", store_schema=True,
+                   write_statistics=False, row_group_size=1024)
+    target = Mutated(folder / file)
+    expected = teacher_rows(read_teacher_shard(folder, file))
+    outcomes = fc.Outcomes("teacher top-k shard without page checksums, read without a hash", REASONS)
+
+    @settings
+    @given(mutation=fc.byte_mutations(target.original))
+    def example(mutation):
+        kind, data = mutation
+        with target(data):
+            outcomes.check(lambda: read_teacher_shard(folder, file), (str(target.path),), expected, teacher_rows, kind,
+                           other_ok=lambda shard: "read: other values (no checksum to tell)")
+
+    example()
+    outcomes.report()
+
+
+def test_fuzz_old_teacher_shard(outputs, tmp_path):
+    fuzz_old_teacher_shard(outputs, fc.FAST, tmp_path)
+
+
+@pytest.mark.slow
+def test_fuzz_old_teacher_shard_slow(outputs, tmp_path):
+    fuzz_old_teacher_shard(outputs, fc.SLOW, tmp_path)
