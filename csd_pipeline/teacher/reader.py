@@ -55,22 +55,26 @@ class TeacherShard(Sequence):
         except (OSError, ValueError) as err:
             raise CsdError(f"teacher shard {self.path} is missing or unreadable ({err}); re-run teacher-logits.") from None
         verify_unmarked(self._file, self.path, sha256, "teacher-logits")
-        metadata = self._file.schema_arrow.metadata or {}
-        if metadata.get(b"csd.schema") != b"teacher_topk":
-            raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
-        version = metadata.get(b"csd.schema_version", b"?").decode()
-        encoding = metadata.get(b"csd.encoding", b"?").decode()
-        readable = {str(v): e for v, e in ENCODINGS.items()}
-        if readable.get(version) != encoding:
-            known = ", ".join(f"{v} / {e}" for v, e in readable.items())
-            raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
-                           f"csd-pipeline reads {known}; re-run teacher-logits.")
-        self.version = int(version)
-        self.k = int(metadata[b"csd.k"])
-        top_p = metadata.get(b"csd.top_p", b"").decode()
-        self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
+        try:  # the footer has no page checksum: its key-value metadata may be damaged too
+            metadata = self._file.schema_arrow.metadata or {}
+            if metadata.get(b"csd.schema") != b"teacher_topk":
+                raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
+            version = metadata.get(b"csd.schema_version", b"?").decode()
+            encoding = metadata.get(b"csd.encoding", b"?").decode()
+            readable = {str(v): e for v, e in ENCODINGS.items()}
+            if readable.get(version) != encoding:
+                known = ", ".join(f"{v} / {e}" for v, e in readable.items())
+                raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
+                               f"csd-pipeline reads {known}; re-run teacher-logits.")
+            self.version = int(version)
+            self.k = int(metadata[b"csd.k"])
+            top_p = metadata.get(b"csd.top_p", b"").decode()
+            self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
+        except (UnicodeDecodeError, ValueError, KeyError, OSError) as err:
+            raise CsdError(f"teacher shard {self.path}: its schema metadata is damaged ({type(err).__name__}); the "
+                           "file is corrupt, re-run teacher-logits.") from None
         table = self._read(lambda: self._file.read(columns=["row_id", "status", "positions", "block"]))
-        self.row_ids = table.column("row_id").to_pylist()
+        self.row_ids = self._read(table.column("row_id").to_pylist)
         self.status = table.column("status").to_numpy()
         self.positions = table.column("positions").to_numpy().astype(np.int64)
         self.block = table.column("block").to_numpy()
@@ -136,7 +140,7 @@ class TeacherShard(Sequence):
 
         try:
             return read()
-        except (OSError, pa.ArrowInvalid) as err:
+        except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as err:  # a string that is not UTF-8: a damaged page
             raise damaged_read(self.path, "teacher-logits", err) from None
 
     def _block_bytes(self, block: int) -> int:

@@ -184,22 +184,69 @@ def test_corpus_nested_too_deeply_is_a_broken_record(tmp_path, suffix):
     assert reasons == [None, "broken_json"]
 
 
-def test_undecodable_block_of_an_unchecked_teacher_shard_names_the_shard(tiny_teacher, tmp_path):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from csd_pipeline.teacher.reader import read_teacher_shard
+@pytest.fixture(scope="module")
+def teacher_shard(tiny_teacher, tmp_path_factory):
+    """(folder, shard file) of the tiny teacher's top-k (k=8) of the devil slice."""
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
     from tests.trainer_cases import DATA, align
 
-    aligned = align([DATA / "devil-slice.txt"], tmp_path / "aligned")
-    run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher=str(tiny_teacher), output=str(tmp_path / "t"),
+    root = tmp_path_factory.mktemp("regression-teacher")
+    aligned = align([DATA / "devil-slice.txt"], root / "aligned")
+    run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher=str(tiny_teacher), output=str(root / "t"),
                                            top_k=8, batch_tokens=512, device="cpu"), log=None)
-    file = json.loads((tmp_path / "t" / "manifest.json").read_text())["shards"][0]["file"]
-    table = pq.read_table(tmp_path / "t" / file)
-    payload = table.column("payload").to_pylist()
-    payload[0] = payload[0][:-1]  # a payload cut short, in a file whose page checksums agree with it
-    table = table.set_column(table.schema.get_field_index("payload"), "payload", pa.array(payload, pa.binary()))
+    return root / "t", json.loads((root / "t" / "manifest.json").read_text())["shards"][0]["file"]
+
+
+def rewritten(teacher_shard, tmp_path, change) -> tuple[Path, str]:
+    """A copy of the teacher shard rewritten (one row group, as a one-block shard is) after `change(table)`."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    folder, file = teacher_shard
+    shutil.copytree(folder, tmp_path / "t")
+    table = change(pq.read_table(tmp_path / "t" / file))
     pq.write_table(table, tmp_path / "t" / file, row_group_size=len(table), store_schema=True)
-    with pytest.raises(CsdError, match=f"teacher shard {tmp_path / 't' / file}, block 0"):  # was: no file named
-        list(read_teacher_shard(tmp_path / "t", file))
+    return tmp_path / "t", file
+
+
+def test_undecodable_block_of_an_unchecked_teacher_shard_names_the_shard(teacher_shard, tmp_path):
+    import pyarrow as pa
+
+    from csd_pipeline.teacher.reader import read_teacher_shard
+
+    def cut(table):
+        payload = table.column("payload").to_pylist()
+        payload[0] = payload[0][:-1]  # a payload cut short, in a file whose page checksums agree with it
+        return table.set_column(table.schema.get_field_index("payload"), "payload", pa.array(payload, pa.binary()))
+
+    folder, file = rewritten(teacher_shard, tmp_path, cut)
+    with pytest.raises(CsdError, match=f"teacher shard {folder / file}, block 0"):  # was: no file named
+        list(read_teacher_shard(folder, file))
+
+
+@pytest.mark.parametrize("key, value", [(b"csd.schema_version", b"\xff"), (b"csd.k", b"x"), (b"csd.top_p", b"?")])
+def test_damaged_teacher_shard_schema_metadata_names_the_shard(teacher_shard, tmp_path, key, value):
+    from csd_pipeline.teacher.reader import read_teacher_shard
+
+    def damage(table):
+        return table.replace_schema_metadata({**table.schema.metadata, key: value})
+
+    folder, file = rewritten(teacher_shard, tmp_path, damage)
+    with pytest.raises(CsdError, match=f"teacher shard {folder / file}"):  # was UnicodeDecodeError, ValueError
+        read_teacher_shard(folder, file)
+
+
+def test_teacher_shard_with_a_row_id_that_is_not_utf8_names_the_shard(teacher_shard, tmp_path):
+    import pyarrow as pa
+
+    from csd_pipeline.teacher.reader import read_teacher_shard
+
+    def damage(table):  # what a flipped byte in an unchecked page of row ids reads as
+        ids = pa.array([b"\xff" + r.encode() for r in table.column("row_id").to_pylist()], pa.binary())
+        return table.set_column(table.schema.get_field_index("row_id"), pa.field("row_id", pa.string()),
+                                ids.cast(pa.string(), safe=False))
+
+    folder, file = rewritten(teacher_shard, tmp_path, damage)
+    with pytest.raises(CsdError, match=f"teacher top-k shard {folder / file} is damaged"):  # was UnicodeDecodeError
+        read_teacher_shard(folder, file)
