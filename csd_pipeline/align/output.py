@@ -84,7 +84,7 @@ class AlignedOutput:
         config, tokenizers = self.manifest.get("config", {}), self.manifest.get("tokenizers", {})
         teachers = tokenizers.get("teachers", []) if isinstance(tokenizers, dict) else None
         checks = {
-            "config": isinstance(config, dict) and isinstance(config.get("mode", ""), str)
+            "config": isinstance(config, dict) and config.get("mode", "text") in ("text", "chat")
             and isinstance(config.get("context_token", True), bool)
             and type(config.get("max_student_tokens", 1)) in (int, type(None)),
             "tokenizers": isinstance(teachers, list) and isinstance(tokenizers.get("student", {}), dict)
@@ -229,7 +229,7 @@ class AlignedOutput:
         if not missing:
             try:
                 return parquet.read(columns=columns)
-            except (OSError, KeyError, pa.ArrowInvalid) as err:
+            except (OSError, KeyError, pa.ArrowException) as err:
                 raise damaged_read(path, STAGE, err) from None
         raise CsdError(f"aligned shard {path} has no column {missing[0]}: {self.directory} aligns {self.num_teachers} "
                        f"teacher(s); pass a teacher index it has, or re-run `{ALIGN_RERUN}` with that teacher.")

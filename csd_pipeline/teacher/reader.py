@@ -44,6 +44,7 @@ class TeacherShard(Sequence):
     against `sha256` (its manifest's) once, here, when given (csd_pipeline/runtime/integrity.py)."""
 
     def __init__(self, path, cache_bytes: int = 0, sha256: str | None = None):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         from csd_pipeline.runtime.integrity import verify_unmarked
@@ -52,8 +53,9 @@ class TeacherShard(Sequence):
         self.path = Path(path)
         try:
             self._file = pq.ParquetFile(str(self.path), page_checksum_verification=True)
-        except (OSError, ValueError) as err:
-            raise CsdError(f"teacher shard {self.path} is missing or unreadable ({err}); re-run teacher-logits.") from None
+        except (OSError, ValueError, pa.ArrowException) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CsdError(f"teacher shard {self.path} is missing or unreadable ({reason}); re-run teacher-logits.") from None
         verify_unmarked(self._file, self.path, sha256, "teacher-logits")
         try:  # the footer has no page checksum: its key-value metadata may be damaged too
             metadata = self._file.schema_arrow.metadata or {}
@@ -70,7 +72,7 @@ class TeacherShard(Sequence):
             self.k = int(metadata[b"csd.k"])
             top_p = metadata.get(b"csd.top_p", b"").decode()
             self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
-        except (UnicodeDecodeError, ValueError, KeyError, OSError) as err:
+        except (UnicodeDecodeError, ValueError, KeyError, OSError, pa.ArrowException) as err:
             raise CsdError(f"teacher shard {self.path}: its schema metadata is damaged ({type(err).__name__}); the "
                            "file is corrupt, re-run teacher-logits.") from None
         table = self._read(lambda: self._file.read(columns=["row_id", "status", "positions", "block"]))
@@ -94,7 +96,7 @@ class TeacherShard(Sequence):
         return len(self.row_ids)
 
     def _decode(self, block: int) -> list[TeacherTopkRow]:
-        from csd_pipeline.teacher.codec import decode_block
+        from csd_pipeline.teacher.codec import block_header, decode_block
 
         if block in self._cached:
             self._cached.move_to_end(block)
@@ -106,9 +108,12 @@ class TeacherShard(Sequence):
                            "teacher-logits.")
         ok = self.status[first:last] == 0
         lengths = self.positions[first:last][ok]
-        mask = np.ones(int(lengths.sum()), dtype=bool)
-        mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
         try:
+            if (lengths < 0).any() or int(lengths.sum()) != block_header(payload)["positions"]:  # before allocating
+                raise CsdError(f"teacher top-k block: its rows hold {int(lengths.sum())} positions, not the block's; "
+                               "the shard is corrupt, re-run teacher-logits.")
+            mask = np.ones(int(lengths.sum()), dtype=bool)
+            mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
             ids, logprobs, observed, entry_counts = decode_block(payload, mask)
         except CsdError as err:  # the codec knows the block, not the file
             raise CsdError(f"teacher shard {self.path}, block {block}: {str(err).removeprefix('teacher top-k block: ')}"
@@ -140,7 +145,7 @@ class TeacherShard(Sequence):
 
         try:
             return read()
-        except (OSError, pa.ArrowInvalid, UnicodeDecodeError) as err:  # a string that is not UTF-8: a damaged page
+        except (OSError, pa.ArrowException, UnicodeDecodeError) as err:  # a string that is not UTF-8: a damaged page
             raise damaged_read(self.path, "teacher-logits", err) from None
 
     def _block_bytes(self, block: int) -> int:

@@ -11,7 +11,8 @@ Anything else fails the example: another exception type, a read slower than `EXA
 `signal.setitimer` alarm interrupts it), a resident-memory high-water mark growing by more than
 `MEMORY_LIMIT`, or a silently different value. `CSD_FUZZ_REPORT=FILE` appends each test's counts as one JSON
 line (what docs/RELIABILITY.md's fuzzing table is made from). The slow tier (`-m slow`) runs `SLOW_EXAMPLES`
-examples per reader, the fast tier `FAST_EXAMPLES`.
+examples per reader, the fast tier `FAST_EXAMPLES`; both are derandomized (the same examples on every run)
+unless `CSD_FUZZ_RANDOM=1`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from hypothesis import strategies as st
 from csd_pipeline.errors import CsdError
 
 FAST_EXAMPLES = 15
-SLOW_EXAMPLES = 300
+SLOW_EXAMPLES = int(os.environ.get("CSD_FUZZ_EXAMPLES", 300))  # a longer hunt: CSD_FUZZ_EXAMPLES=5000 CSD_FUZZ_RANDOM=1
 EXAMPLE_SECONDS = 30
 MEMORY_LIMIT = 1 << 30
 
-_COMMON = dict(deadline=None, derandomize=True, database=None,
+_COMMON = dict(deadline=None, derandomize=not os.environ.get("CSD_FUZZ_RANDOM"), database=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.function_scoped_fixture])
 FAST = settings(max_examples=FAST_EXAMPLES, **_COMMON)

@@ -21,10 +21,12 @@ from hypothesis import given
 from csd_pipeline.align.templates import TemplateRenderError
 from tests.reliability import fuzz_cases as fc
 
-REASONS = {
-    "not readable JSON or metadata": r"not readable JSON|unreadable JSON|unreadable or truncated|not a readable|no chat_template",
+REASONS = {  # the first that matches names the refusal in the counts
+    "not readable JSON or metadata": r"not readable JSON|unreadable JSON|unreadable or truncated|not a readable|"
+                                     r"no chat_template|is unreadable \(|not valid JSON",
     "checksum or sha256 differs": r"checksum|sha256",
-    "malformed": r"malformed|not a csd-pipeline|format version|neither a string|no template named",
+    "malformed (wrong type, missing field)": r"malformed|not a csd-pipeline|format version|neither a string|"
+                                             r"no template named|not a JSON object|not a tokenizer.json",
     "does not compile / load": r"does not compile|cannot load|cannot read",
     "truncated or damaged compressed file": r"truncated|damaged",
 }

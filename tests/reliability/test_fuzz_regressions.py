@@ -43,6 +43,7 @@ def open_aligned(folder: Path, text: str):
     json.dumps(aligned_manifest(totals=DEEP)).replace(json.dumps(DEEP), DEEP),  # was RecursionError
     json.dumps(aligned_manifest()).replace('"rows": 1', '"rows": ' + "9" * 5000),  # was ValueError (digit limit)
     json.dumps(aligned_manifest(tables=10**400)),  # was TypeError ('int' object is not iterable)
+    json.dumps(aligned_manifest(config={"mode": ""})),  # was read as an output of mode ""
 ])
 def test_damaged_manifest_is_one_error_naming_it(tmp_path, text):
     with pytest.raises(CsdError, match=str(tmp_path / "aligned")) as err:
@@ -250,3 +251,44 @@ def test_teacher_shard_with_a_row_id_that_is_not_utf8_names_the_shard(teacher_sh
     folder, file = rewritten(teacher_shard, tmp_path, damage)
     with pytest.raises(CsdError, match=f"teacher top-k shard {folder / file} is damaged"):  # was UnicodeDecodeError
         read_teacher_shard(folder, file)
+
+
+def test_teacher_shard_with_negative_positions_names_the_shard(teacher_shard, tmp_path):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from csd_pipeline.teacher.reader import read_teacher_shard
+
+    def damage(table):  # what a flipped sign bit in an unchecked page of positions reads as
+        index = table.schema.get_field_index("positions")
+        return table.set_column(index, "positions", pc.negate(table.column("positions")).cast(pa.int32()))
+
+    folder, file = rewritten(teacher_shard, tmp_path, damage)
+    with pytest.raises(CsdError, match=f"teacher shard {folder / file}, block 0"):  # was ValueError (np.ones)
+        list(read_teacher_shard(folder, file))
+
+
+def test_flips_found_by_the_random_hunt_are_one_line(teacher_shard, tmp_path):
+    """Two flips CSD_FUZZ_RANDOM=1 found (the outputs are the same bytes on every run): an aligned shard read with
+    page checksums alone raised ArrowNotImplementedError; a teacher shard's footer error was several lines."""
+    import shutil
+
+    from csd_pipeline.runtime.integrity import read_verified_table
+    from csd_pipeline.teacher.reader import read_teacher_shard
+
+    folder, file = teacher_shard
+    aligned = folder.parent / "aligned"
+    aligned_file = json.loads((aligned / "manifest.json").read_text())["shards"][0]["file"]
+    cases = [(aligned / aligned_file, 8441, lambda path: read_verified_table(path, None, None)),
+             (folder / file, 12552, lambda path: read_teacher_shard(path.parent, path.name))]
+    for source, position, read in cases:
+        path = tmp_path / source.parent.name / source.name
+        path.parent.mkdir(exist_ok=True)
+        shutil.copy(source, path)
+        data = bytearray(path.read_bytes())
+        data[position % len(data)] ^= 1
+        path.write_bytes(bytes(data))
+        try:
+            read(path)
+        except CsdError as err:
+            assert "\n" not in str(err) and str(path) in str(err), str(err)

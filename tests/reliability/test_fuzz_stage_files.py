@@ -30,6 +30,7 @@ REASONS = {  # the first that matches names the refusal in the counts
     "not a teacher shard / unknown encoding": r"not a teacher top-k shard|has schema version|not an encoding",
     "damaged shard (page checksum, footer, decode)": r"is damaged|corrupt|unreadable|is missing or unreadable",
     "table mismatch": r"table",
+    "teacher index out of range (csd-train's check)": r"is teacher \d+;",
 }
 
 
@@ -75,12 +76,13 @@ def aligned_values(out: AlignedOutput):
 
 
 def teacher_values(out, aligned: AlignedOutput):
-    """What csd-train takes from a teacher output: its checked shards and their rows, the config it reads."""
+    """What csd-train takes from a teacher output: its checked shards and their rows, the config it reads (not
+    top_k, top_p, min_p: recorded for a check and reports; the rows carry their own entry counts)."""
     out.verify()
     out.check_pairs_with(aligned)
     if out.teacher_index >= aligned.num_teachers:  # what csd-train checks (trainer/data.py)
         raise CsdError(f"--teacher-logits {out.directory} is teacher {out.teacher_index}; {aligned.num_teachers} aligned")
-    return (out.shard_files, out.top_k, out.top_p, out.min_p, out.tail_samples, out.keep, out.teacher_index,
+    return (out.shard_files, out.tail_samples, out.keep, out.teacher_index,
             [teacher_rows(out.shard(i)) for i in range(len(out.shard_files))])
 
 
@@ -177,10 +179,10 @@ def marker_outcome(marker, expected) -> str | None:
     if marker is None:
         return "ignored: the shard is written again"
     differ = {key for key in {*marker, *expected} if marker.get(key) != expected.get(key)}
-    if differ <= {"rows", "sha256"}:
-        return "read: rows or sha256 changed (refused when the shard is read)"
     if differ <= {"stats"}:
         return "read: stats changed (report counts; not protected)"
+    if differ <= {"rows", "sha256", "stats"}:
+        return "read: rows or sha256 changed (refused when the shard is read)"
     return None
 
 
