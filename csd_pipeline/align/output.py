@@ -89,7 +89,8 @@ class AlignedOutput:
             and type(config.get("max_student_tokens", 1)) in (int, type(None)),
             "tokenizers": isinstance(teachers, list) and isinstance(tokenizers.get("student", {}), dict)
             and all(isinstance(t, dict) and type(t.get("size")) in (int, type(None))
-                    and all(type(t.get(k)) in (str, type(None)) for k in ("fingerprint", "name")) for t in teachers),
+                    and all(type(t.get(k)) in (str, type(None)) for k in ("fingerprint", "name"))
+                    and (t.get("size") is None or 0 < t["size"] < 2**31) for t in teachers),
             "tables": isinstance(self.manifest.get("tables", []), list),
         }
         for key, good in checks.items():

@@ -34,7 +34,7 @@ STAGE_COMMANDS = {
 
 
 def _rerun_hint(stage: str | None) -> str:
-    command = STAGE_COMMANDS.get(stage or "", "the stage that produced it")
+    command = STAGE_COMMANDS.get(stage if isinstance(stage, str) else "", "the stage that produced it")
     return f"re-run {command}"
 
 
@@ -72,7 +72,7 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
             f"{directory} is the output of stage {manifest.get('stage')!r}, not {stage!r}; "
             f"pass the output directory of {STAGE_COMMANDS.get(stage, stage)}."
         )
-    if schema_versions is not None and manifest.get("schema_version") not in set(schema_versions):
+    if schema_versions is not None and manifest.get("schema_version") not in list(schema_versions):
         raise ManifestError(
             f"{directory} has {manifest.get('stage')} schema version {manifest.get('schema_version')!r}, "
             f"which this csd-pipeline cannot read (it reads {sorted(set(schema_versions))}); "

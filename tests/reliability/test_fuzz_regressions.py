@@ -44,6 +44,9 @@ def open_aligned(folder: Path, text: str):
     json.dumps(aligned_manifest()).replace('"rows": 1', '"rows": ' + "9" * 5000),  # was ValueError (digit limit)
     json.dumps(aligned_manifest(tables=10**400)),  # was TypeError ('int' object is not iterable)
     json.dumps(aligned_manifest(config={"mode": ""})),  # was read as an output of mode ""
+    json.dumps(aligned_manifest(schema_version=[1])),  # was TypeError (unhashable type: 'list')
+    json.dumps(aligned_manifest(stage=["align"], manifest_version=2)),  # was TypeError in the error message's hint
+    json.dumps(aligned_manifest(tokenizers={"teachers": [{"size": 10**400}]})),  # was read as a vocabulary size
 ])
 def test_damaged_manifest_is_one_error_naming_it(tmp_path, text):
     with pytest.raises(CsdError, match=str(tmp_path / "aligned")) as err:
