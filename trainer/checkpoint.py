@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.files import atomic_write_text, replace_directory
+from csd_pipeline.runtime.files import atomic_write_text, replace_directory, strict_json
 from trainer import checkpoint_guard, distributed
 
 CHECKPOINT_VERSION = 1
@@ -184,25 +184,37 @@ def load_checkpoint(output, wrapper, optimizer, ctx) -> ResumeState | None:
     if choice is None:
         return None
     path = Path(choice)
-    try:
-        trainer = json.loads((path / "trainer.json").read_text(encoding="utf-8"))
-        rank_file = path / "ranks" / f"rank-{ctx.rank:05d}.json"
-        if trainer.get("world") != ctx.world or not rank_file.is_file():
-            raise CsdError(
-                f"checkpoint {path} was written by {trainer.get('world')} ranks, this run has {ctx.world}; "
-                f"resume with --nproc-per-node/--nnodes giving {trainer.get('world')} ranks"
-            )
-        rank_state = json.loads(rank_file.read_text(encoding="utf-8"))
-        complete = json.loads((path / COMPLETE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise CsdError(f"checkpoint {path} is unreadable ({err}); delete it to resume from an earlier one") from None
-    metadata = checkpoint_guard.read_checked_metadata(path, complete if isinstance(complete, dict) else {})
+    trainer = _read_record(path, "trainer.json")
+    rank_file = f"ranks/rank-{ctx.rank:05d}.json"
+    if trainer.get("world") != ctx.world or not (path / rank_file).is_file():
+        raise CsdError(
+            f"checkpoint {path} was written by {trainer.get('world')} ranks, this run has {ctx.world}; "
+            f"resume with --nproc-per-node/--nnodes giving {trainer.get('world')} ranks"
+        )
+    rank_state = _read_record(path, rank_file)
+    metadata = checkpoint_guard.read_checked_metadata(path, read_complete(path))
     model_state, optim_state = get_state_dict(wrapper, optimizer)
     state = {"model": model_state, "optim": optim_state}
     checkpoint_guard.guarded_load(state, path, metadata)
     set_state_dict(wrapper, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     set_rng_state(rank_state["rng"], ctx.device)
     return ResumeState(step=int(trainer["step"]), trainer=trainer, loader_state=rank_state["loader"], path=path)
+
+
+def read_complete(path) -> dict:
+    """The `complete.json` of checkpoint folder `path`. Raises `CsdError` when it is unreadable or not an object."""
+    return _read_record(Path(path), COMPLETE_FILE)
+
+
+def _read_record(path: Path, name: str) -> dict:
+    try:
+        record = strict_json((path / name).read_bytes())
+    except (OSError, ValueError) as err:
+        raise CsdError(f"checkpoint {path} is unreadable ({name}: {err}); delete it to resume from an earlier one") from None
+    if not isinstance(record, dict):
+        raise CsdError(f"checkpoint {path} is unreadable ({name} is not a JSON object); delete it to resume from an "
+                       "earlier one")
+    return record
 
 
 def clean_partial(output, ctx) -> None:

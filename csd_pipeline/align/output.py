@@ -66,6 +66,7 @@ class AlignedOutput:
     def __init__(self, directory, manifest: dict):
         self.directory = Path(directory)
         self.manifest = manifest
+        self._check_keys()
         self.shards = [AlignedShard(s["name"], s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"])
                        for s in manifest["shards"]]
 
@@ -75,6 +76,27 @@ class AlignedOutput:
         from csd_pipeline.runtime.manifest import read_manifest
 
         return cls(directory, read_manifest(directory, stage=STAGE, schema_versions=[SCHEMA_VERSION]))
+
+    def _check_keys(self) -> None:
+        """Raise `ManifestError` unless the config and tokenizer keys this class reads have their types."""
+        from csd_pipeline.errors import ManifestError
+
+        config, tokenizers = self.manifest.get("config", {}), self.manifest.get("tokenizers", {})
+        teachers = tokenizers.get("teachers", []) if isinstance(tokenizers, dict) else None
+        checks = {
+            "config": isinstance(config, dict) and config.get("mode", "text") in ("text", "chat")
+            and isinstance(config.get("context_token", True), bool)
+            and type(config.get("max_student_tokens", 1)) in (int, type(None)),
+            "tokenizers": isinstance(teachers, list) and isinstance(tokenizers.get("student", {}), dict)
+            and all(isinstance(t, dict) and type(t.get("size")) in (int, type(None))
+                    and all(type(t.get(k)) in (str, type(None)) for k in ("fingerprint", "name"))
+                    and (t.get("size") is None or 0 < t["size"] < 2**31) for t in teachers),
+            "tables": isinstance(self.manifest.get("tables", []), list),
+        }
+        for key, good in checks.items():
+            if not good:
+                raise ManifestError(f"{self.directory / 'manifest.json'} is malformed (its {key} do not have the "
+                                    f"types align writes); re-run {ALIGN_RERUN} into a new --output.")
 
     # -- shards ---------------------------------------------------------------------------
 
@@ -208,7 +230,7 @@ class AlignedOutput:
         if not missing:
             try:
                 return parquet.read(columns=columns)
-            except (OSError, KeyError, pa.ArrowInvalid) as err:
+            except (OSError, KeyError, pa.ArrowException) as err:
                 raise damaged_read(path, STAGE, err) from None
         raise CsdError(f"aligned shard {path} has no column {missing[0]}: {self.directory} aligns {self.num_teachers} "
                        f"teacher(s); pass a teacher index it has, or re-run `{ALIGN_RERUN}` with that teacher.")

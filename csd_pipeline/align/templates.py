@@ -31,7 +31,8 @@ class ChatTemplate:
         self.origin = origin
         if isinstance(source, str):
             named = {"default": source}
-        elif isinstance(source, list) and all(isinstance(t, dict) and "name" in t and "template" in t for t in source):
+        elif isinstance(source, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                              and isinstance(t.get("template"), str) for t in source):
             named = {t["name"]: t["template"] for t in source}
         else:
             raise CsdError(f"chat template from {origin} is neither a string nor a list of named templates; fix it.")
@@ -115,7 +116,7 @@ def load_chat_template(bundle, path: str | None, who: str) -> ChatTemplate:
     if file.suffix.lower() == ".json":
         try:
             source = json.loads(text).get("chat_template")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             source = None
         if not source:
             raise CsdError(f"{flag} {path}: the JSON file has no chat_template; pass a .jinja file.")

@@ -70,6 +70,34 @@ def json_bytes(obj) -> bytes:
     return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
+def _unique_keys(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def strict_json(data: bytes | str):
+    """Parse JSON written by this package, strictly: UTF-8, no duplicate keys, no NaN or Infinity.
+
+    Raises `ValueError` (one line) for anything else, including nesting too deep to parse and
+    integers too long to convert, which `json.loads` raises as other types or lets through.
+    """
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"invalid UTF-8 at byte {err.start}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except ValueError as err:
+        raise ValueError(str(err).splitlines()[0]) from None
+
+
 def atomic_write_json(path, obj) -> None:
     """Write `obj` as canonical JSON (`json_bytes`) to `path` atomically."""
     atomic_write_bytes(path, json_bytes(obj))

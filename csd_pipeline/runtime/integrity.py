@@ -69,7 +69,7 @@ def open_verified(path, sha256: str | None, stage: str = "align"):
         raise _damaged(path, stage, "its sha256 is not the one its manifest records")
     try:
         return pq.ParquetFile(pa.BufferReader(data), page_checksum_verification=True)
-    except (OSError, KeyError, pa.ArrowInvalid) as err:
+    except (OSError, KeyError, pa.ArrowException, UnicodeDecodeError) as err:
         raise damaged_read(path, stage, err) from None
 
 
@@ -81,7 +81,7 @@ def read_verified_table(path, sha256: str | None, columns: list[str] | None, sta
     parquet = open_verified(path, sha256, stage)
     try:
         return parquet.read(columns=columns)
-    except (OSError, KeyError, pa.ArrowInvalid) as err:
+    except (OSError, KeyError, pa.ArrowException, UnicodeDecodeError) as err:
         raise damaged_read(path, stage, err) from None
 
 

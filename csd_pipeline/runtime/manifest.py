@@ -18,10 +18,10 @@ Layout of a manifest (JSON object, keys sorted when written):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from csd_pipeline.errors import ManifestError
+from csd_pipeline.runtime.files import strict_json
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -34,7 +34,7 @@ STAGE_COMMANDS = {
 
 
 def _rerun_hint(stage: str | None) -> str:
-    command = STAGE_COMMANDS.get(stage or "", "the stage that produced it")
+    command = STAGE_COMMANDS.get(stage if isinstance(stage, str) else "", "the stage that produced it")
     return f"re-run {command}"
 
 
@@ -57,8 +57,8 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
             f"run `csd-pipeline status {directory}` to see what is missing, or {_rerun_hint(stage)}."
         )
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        manifest = strict_json(path.read_bytes())
+    except (OSError, ValueError) as err:
         raise ManifestError(f"{path} is not a readable JSON manifest ({err}); {_rerun_hint(stage)}.") from None
     if not isinstance(manifest, dict) or "manifest_version" not in manifest:
         raise ManifestError(f"{path} is not a csd-pipeline manifest; {_rerun_hint(stage)}.")
@@ -72,7 +72,7 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
             f"{directory} is the output of stage {manifest.get('stage')!r}, not {stage!r}; "
             f"pass the output directory of {STAGE_COMMANDS.get(stage, stage)}."
         )
-    if schema_versions is not None and manifest.get("schema_version") not in set(schema_versions):
+    if schema_versions is not None and manifest.get("schema_version") not in list(schema_versions):
         raise ManifestError(
             f"{directory} has {manifest.get('stage')} schema version {manifest.get('schema_version')!r}, "
             f"which this csd-pipeline cannot read (it reads {sorted(set(schema_versions))}); "
@@ -80,8 +80,38 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
         )
     from csd_pipeline.runtime.safe_paths import check_manifest_paths
 
+    _check_shape(manifest, path)
     check_manifest_paths(manifest, directory, f"{_rerun_hint(manifest.get('stage'))} into a new --output")
+    for index, shard in enumerate(manifest["shards"]):  # after the paths: an edited path is named as such
+        if Path(shard["file"]).stem != shard["name"]:
+            raise ManifestError(f"{path} is malformed (shard {index} is named {shard['name']!r} but its file is "
+                                f"{shard['file']!r}); {_rerun_hint(manifest.get('stage'))}.")
     return manifest
+
+
+_SHARD_KEYS = {"name": str, "file": str, "rows": int, "bytes": int, "sha256": str}
+
+
+def _check_shape(manifest: dict, path: Path) -> None:
+    """Raise `ManifestError` unless the keys every reader takes from a manifest have their types."""
+    def refuse(what: str):
+        raise ManifestError(f"{path} is malformed ({what}); {_rerun_hint(manifest.get('stage'))}.")
+
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        refuse("its shards are not a list")
+    for index, shard in enumerate(shards):
+        if not isinstance(shard, dict):
+            refuse(f"shard {index} is not an object")
+        for key, kind in _SHARD_KEYS.items():
+            value = shard.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+                refuse(f"shard {index} has {key} {value!r}, not a {'count' if kind is int else 'string'}")
+    for key in ("config", "totals"):
+        if not isinstance(manifest.get(key, {}), dict):
+            refuse(f"its {key} is not an object")
+    if not isinstance(manifest.get("tables", []), list):
+        refuse("its tables are not a list")
 
 
 def shard_paths(manifest: dict, directory) -> list[Path]:

@@ -14,11 +14,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.files import atomic_write_bytes, atomic_write_json, json_bytes
+from csd_pipeline.runtime.files import atomic_write_bytes, atomic_write_json, json_bytes, strict_json
 from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
 
 RUN_NAME = "run.json"
@@ -68,7 +67,7 @@ def check_identity(directory, stage: str, identity: dict) -> None:
         if not path.is_file():
             continue
         try:
-            found = json.loads(path.read_text(encoding="utf-8"))
+            found = strict_json(path.read_bytes())
         except (OSError, ValueError):
             found = None
         if not isinstance(found, dict):
@@ -88,9 +87,16 @@ def read_run_record(directory) -> dict:
     if not path.is_file():
         raise CsdError(f"{directory} holds no stage run ({RUN_NAME} is missing); check the path or start the stage.")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        record = strict_json(path.read_bytes())
     except (OSError, ValueError) as err:
         raise CsdError(f"{path} is unreadable ({err}); delete {directory} and run the stage again.") from None
+    tasks = record.get("tasks") if isinstance(record, dict) else None
+    if not isinstance(tasks, list) or not all(
+            isinstance(t, dict) and type(t.get("index")) is int and isinstance(t.get("name"), str)
+            and isinstance(t.get("spec"), dict) for t in tasks):
+        raise CsdError(f"{path} is malformed (not a run record with a task list); delete {directory} and run the "
+                       "stage again.")
+    return record
 
 
 def recorded_tasks(directory) -> list[dict] | None:
@@ -133,13 +139,29 @@ def read_marker(directory, name: str, suffix: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        marker = json.loads(path.read_text(encoding="utf-8"))
+        marker = strict_json(path.read_bytes())
     except (OSError, ValueError):
         return None
+    if not _well_formed_marker(marker, name, suffix):
+        return None  # a damaged record: the shard is written again, as if it had none
     shard = Path(directory) / f"{name}{suffix}"
     if not shard.is_file() or shard.stat().st_size != marker.get("bytes"):
         return None
     return marker
+
+
+def _counts(value) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _counts(part) for key, part in value.items())
+    return type(value) in (int, float) and value == value and abs(value) != float("inf")
+
+
+def _well_formed_marker(marker, name: str, suffix: str) -> bool:
+    """A completion record names its shard and has its counts: what `build_manifest` and `merge_stats` read."""
+    return (isinstance(marker, dict) and marker.get("name") == name and marker.get("file") == f"{name}{suffix}"
+            and all(type(marker.get(key)) is int and marker[key] >= 0 for key in ("index", "rows", "bytes"))
+            and isinstance(marker.get("sha256"), str) and isinstance(marker.get("stats"), dict)
+            and _counts(marker["stats"]))
 
 
 def merge_stats(total: dict, part: dict) -> dict:

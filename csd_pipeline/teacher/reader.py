@@ -44,6 +44,7 @@ class TeacherShard(Sequence):
     against `sha256` (its manifest's) once, here, when given (csd_pipeline/runtime/integrity.py)."""
 
     def __init__(self, path, cache_bytes: int = 0, sha256: str | None = None):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         from csd_pipeline.runtime.integrity import verify_unmarked
@@ -52,25 +53,30 @@ class TeacherShard(Sequence):
         self.path = Path(path)
         try:
             self._file = pq.ParquetFile(str(self.path), page_checksum_verification=True)
-        except (OSError, ValueError) as err:
-            raise CsdError(f"teacher shard {self.path} is missing or unreadable ({err}); re-run teacher-logits.") from None
+        except (OSError, ValueError, pa.ArrowException) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CsdError(f"teacher shard {self.path} is missing or unreadable ({reason}); re-run teacher-logits.") from None
         verify_unmarked(self._file, self.path, sha256, "teacher-logits")
-        metadata = self._file.schema_arrow.metadata or {}
-        if metadata.get(b"csd.schema") != b"teacher_topk":
-            raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
-        version = metadata.get(b"csd.schema_version", b"?").decode()
-        encoding = metadata.get(b"csd.encoding", b"?").decode()
-        readable = {str(v): e for v, e in ENCODINGS.items()}
-        if readable.get(version) != encoding:
-            known = ", ".join(f"{v} / {e}" for v, e in readable.items())
-            raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
-                           f"csd-pipeline reads {known}; re-run teacher-logits.")
-        self.version = int(version)
-        self.k = int(metadata[b"csd.k"])
-        top_p = metadata.get(b"csd.top_p", b"").decode()
-        self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
+        try:  # the footer has no page checksum: its key-value metadata may be damaged too
+            metadata = self._file.schema_arrow.metadata or {}
+            if metadata.get(b"csd.schema") != b"teacher_topk":
+                raise CsdError(f"{self.path} is not a teacher top-k shard; pass the output directory of teacher-logits.")
+            version = metadata.get(b"csd.schema_version", b"?").decode()
+            encoding = metadata.get(b"csd.encoding", b"?").decode()
+            readable = {str(v): e for v, e in ENCODINGS.items()}
+            if readable.get(version) != encoding:
+                known = ", ".join(f"{v} / {e}" for v, e in readable.items())
+                raise CsdError(f"teacher shard {self.path} has schema version {version} and encoding {encoding}, but this "
+                               f"csd-pipeline reads {known}; re-run teacher-logits.")
+            self.version = int(version)
+            self.k = int(metadata[b"csd.k"])
+            top_p = metadata.get(b"csd.top_p", b"").decode()
+            self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
+        except (UnicodeDecodeError, ValueError, KeyError, OSError, pa.ArrowException) as err:
+            raise CsdError(f"teacher shard {self.path}: its schema metadata is damaged ({type(err).__name__}); the "
+                           "file is corrupt, re-run teacher-logits.") from None
         table = self._read(lambda: self._file.read(columns=["row_id", "status", "positions", "block"]))
-        self.row_ids = table.column("row_id").to_pylist()
+        self.row_ids = self._read(table.column("row_id").to_pylist)
         self.status = table.column("status").to_numpy()
         self.positions = table.column("positions").to_numpy().astype(np.int64)
         self.block = table.column("block").to_numpy()
@@ -90,7 +96,7 @@ class TeacherShard(Sequence):
         return len(self.row_ids)
 
     def _decode(self, block: int) -> list[TeacherTopkRow]:
-        from csd_pipeline.teacher.codec import decode_block
+        from csd_pipeline.teacher.codec import block_header, decode_block
 
         if block in self._cached:
             self._cached.move_to_end(block)
@@ -102,9 +108,16 @@ class TeacherShard(Sequence):
                            "teacher-logits.")
         ok = self.status[first:last] == 0
         lengths = self.positions[first:last][ok]
-        mask = np.ones(int(lengths.sum()), dtype=bool)
-        mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
-        ids, logprobs, observed, entry_counts = decode_block(payload, mask)
+        try:
+            if (lengths < 0).any() or int(lengths.sum()) != block_header(payload)["positions"]:  # before allocating
+                raise CsdError(f"teacher top-k block: its rows hold {int(lengths.sum())} positions, not the block's; "
+                               "the shard is corrupt, re-run teacher-logits.")
+            mask = np.ones(int(lengths.sum()), dtype=bool)
+            mask[np.cumsum(lengths) - 1] = False  # the last position of a row has no observed token
+            ids, logprobs, observed, entry_counts = decode_block(payload, mask)
+        except CsdError as err:  # the codec knows the block, not the file
+            raise CsdError(f"teacher shard {self.path}, block {block}: {str(err).removeprefix('teacher top-k block: ')}"
+                           ) from None
         if ids.shape[1] != self.k:
             raise CsdError(f"teacher shard {self.path}: block {block} holds {ids.shape[1]} entries per position, the "
                            f"shard says {self.k}; the file is corrupt, re-run teacher-logits.")
@@ -132,7 +145,7 @@ class TeacherShard(Sequence):
 
         try:
             return read()
-        except (OSError, pa.ArrowInvalid) as err:
+        except (OSError, pa.ArrowException, UnicodeDecodeError) as err:  # a string that is not UTF-8: a damaged page
             raise damaged_read(self.path, "teacher-logits", err) from None
 
     def _block_bytes(self, block: int) -> int:
@@ -164,7 +177,31 @@ class TeacherTopkOutput:
     def __init__(self, directory, manifest: dict):
         self.directory = Path(directory)
         self.manifest = manifest
+        self._check_config()
         self.shard_files = [shard["file"] for shard in manifest["shards"]]
+
+    def _check_config(self) -> None:
+        """Raise `ManifestError` unless the config values this class reads have the types teacher-logits writes."""
+        from csd_pipeline.errors import ManifestError
+
+        config = self.manifest.get("config", {})
+        counts, fractions = ("top_k", "tail_samples", "teacher_index"), ("top_p", "min_p")
+
+        def wrong(key: str) -> bool:
+            value = config.get(key)
+            if value is None:
+                return False
+            if key in counts:
+                return type(value) is not int or value < 0
+            if key in fractions:
+                return type(value) not in (int, float) or not 0 <= value <= 1
+            return not isinstance(value, str)  # keep
+
+        bad = next((key for key in ("config", "aligned", "teacher") if not isinstance(self.manifest.get(key, {}), dict)),
+                   None) or next((key for key in (*counts, *fractions, "keep") if wrong(key)), None)
+        if bad:
+            raise ManifestError(f"{self.directory / 'manifest.json'} is malformed (its {bad} does not have the type "
+                                f"teacher-logits writes); re-run {TEACHER_RERUN} into a new --output.")
 
     @classmethod
     def open(cls, directory) -> TeacherTopkOutput:

@@ -32,6 +32,7 @@ from csd_pipeline.vocab.vocabulary import TokenizerBundle, Vocabulary
 
 TABLE_FORMAT_VERSION = 1
 _META_KEY = "csd_table"
+_META_HASH = "metadata_sha256"  # sha256 of the metadata's other keys (sorted JSON); absent in older tables
 _VOCAB_META_FIELDS = ("name", "family", "roles", "dummy_prefix", "fingerprint", "adds_bos")
 
 
@@ -129,6 +130,7 @@ class SubtokenTable:
             "canonical": self.canonical,
             "payload_sha256": _payload_hash(tensors),
         }
+        meta[_META_HASH] = _metadata_hash(meta)
         try:
             with atomic_path(path) as tmp:
                 save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
@@ -142,6 +144,33 @@ class SubtokenTable:
 def _multi_id_count(spellings: dict[bytes, tuple[int, ...]]) -> int:
     """Number of spellings with two or more ids."""
     return len(spellings) - list(map(len, spellings.values())).count(1)
+
+
+def _metadata_hash(meta: dict) -> str:
+    return bytes_sha256(json.dumps({k: v for k, v in meta.items() if k != _META_HASH}, sort_keys=True).encode())
+
+
+def _read_metadata(path: Path, meta_text: str, tensors: dict) -> dict:
+    """The table's metadata, checked: readable JSON, this format version, the checksums of the tensors and
+    (in tables written since it was recorded) of the metadata itself. Raises CsdError."""
+    from csd_pipeline.runtime.files import strict_json
+
+    try:
+        meta = strict_json(meta_text)
+    except ValueError as err:
+        raise CsdError(f"table {path}: its metadata is not readable JSON ({err}); rebuild it with "
+                       "`csd-pipeline tables build`") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if version != TABLE_FORMAT_VERSION:
+        raise CsdError(
+            f"table {path}: format version {version}, this csd-pipeline reads version {TABLE_FORMAT_VERSION}; "
+            "rebuild it with `csd-pipeline tables build`"
+        )
+    if _payload_hash(tensors) != meta.get("payload_sha256"):
+        raise CsdError(f"table {path}: its content does not match its checksum (corrupted); rebuild it")
+    if _META_HASH in meta and _metadata_hash(meta) != meta[_META_HASH]:
+        raise CsdError(f"table {path}: its metadata does not match its checksum (corrupted); rebuild it")
+    return meta
 
 
 def _payload_hash(tensors: dict[str, np.ndarray]) -> str:
@@ -168,15 +197,15 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
         ) from None
     if meta_text is None:
         raise CsdError(f"table {path}: not a csd-pipeline sub-token table (no {_META_KEY} metadata); rebuild it")
-    meta = json.loads(meta_text)
-    version = meta.get("format_version")
-    if version != TABLE_FORMAT_VERSION:
-        raise CsdError(
-            f"table {path}: format version {version}, this csd-pipeline reads version {TABLE_FORMAT_VERSION}; "
-            "rebuild it with `csd-pipeline tables build`"
-        )
-    if _payload_hash(tensors) != meta.get("payload_sha256"):
-        raise CsdError(f"table {path}: its content does not match its checksum (corrupted); rebuild it")
+    meta = _read_metadata(path, meta_text, tensors)
+    try:
+        return _table_from(meta, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise CsdError(f"table {path}: its metadata or tensors are malformed ({type(err).__name__}: {err}); "
+                       "rebuild it with `csd-pipeline tables build`") from None
+
+
+def _table_from(meta: dict, tensors: dict) -> SubtokenTable:
     sides = {}
     for side in ("source", "destination"):
         flat, offsets = tensors[f"{side}_bytes"], tensors[f"{side}_offsets"]

@@ -130,8 +130,10 @@ def _read_config(folder: Path, only_if_sibling: Path | None = None) -> dict:
         if f.is_file():
             try:
                 data = json.loads(f.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, RecursionError) as err:
                 raise CsdError(f"tokenizer config {f}: unreadable JSON ({err.__class__.__name__}); fix or remove it") from None
+            if not isinstance(data, dict):
+                raise CsdError(f"tokenizer config {f}: not a JSON object; fix or remove it")
             for key, value in data.items():
                 config.setdefault(key, value)
     template = folder / "chat_template.jinja"

@@ -231,11 +231,15 @@ def load_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer
         return bundle
     try:
         spec = parse_tokenizer_json(raw)
-    except ValueError as err:
+    except (ValueError, RecursionError) as err:
         raise CsdError(f"tokenizer {arg}: {tokenizer_file} is not valid JSON ({err}); re-export the tokenizer") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
         raise CsdError(f"tokenizer {arg}: {tokenizer_file} is not a tokenizer.json (no `model` section)")
-    vocab = build_vocabulary(spec, config, name=str(arg), raw_json=raw)
+    try:
+        vocab = build_vocabulary(spec, config, name=str(arg), raw_json=raw)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:  # a field missing or of another type
+        raise CsdError(f"tokenizer {arg}: {tokenizer_file} is malformed ({type(err).__name__}: {err}); re-export the "
+                       "tokenizer") from None
     bundle = TokenizerBundle(raw, vocab, config, str(arg))
     bundle._building = building
     if vocab.needs_round_trip:

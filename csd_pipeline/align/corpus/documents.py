@@ -90,7 +90,7 @@ def jsonl_document(source: str, index: int, raw: bytes, options: ReadOptions) ->
         record = json.loads(raw)
     except UnicodeDecodeError:
         return Document(source, index, None, "invalid_utf8")
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return Document(source, index, None, "broken_json")
     return record_document(source, index, record, options)
 

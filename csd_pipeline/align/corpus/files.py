@@ -156,7 +156,7 @@ def json_records(raw: bytes) -> list:
         raw = raw[len(BOM):]
     try:
         data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         # Not one JSON value: read it as JSON lines, counting broken lines.
         return [line for line in raw.split(b"\n") if line.strip(WHITESPACE)]
     if isinstance(data, list):
