@@ -13,7 +13,7 @@ from csd_pipeline.runtime.options import default_of
 
 
 @click.command("evaluate")
-@click.option("--model", "model_arg", help="HF folder (an export), GGUF file, fixture or hub name.")
+@click.option("--model", "model_arg", help="HF folder (a csd-train export), fixture or hub name.")
 @click.option("--tasks", help="Task, group or tag names separated by commas (e.g. csd_next_sentence).")
 @click.option("--include-path", "include_paths", multiple=True, type=click.Path(),
               help="A folder of your own task YAML files (repeatable).")

@@ -22,7 +22,7 @@ INSTALL_HINT = "pip install 'csd-pipeline[eval]'"
 class EvaluateConfig:
     """What `csd-pipeline evaluate` runs.
 
-    model: an HF folder (an export), a GGUF file, a fixture or a hub name. tasks: task, group or tag
+    model: an HF folder (an export), a fixture or a hub name (GGUF files are refused). tasks: task, group or tag
     names (or task YAML paths). include_paths: folders of the user's own task YAMLs. limit: at most
     N documents per task (None: all). device: auto|cpu|cuda; float32 on CPU, bfloat16 on a GPU.
     """
@@ -110,11 +110,11 @@ def model_arguments(model: str, device: str) -> tuple[dict, str]:
 
     torch_device = resolve_device(device)
     path, gguf_file = resolve_model_source(model)
+    if gguf_file is not None:   # the harness can read GGUF, but that path is not tested here
+        raise CsdError(f"model {model}: evaluate reads Hugging Face folders, not GGUF ({gguf_file}); pass a csd-train "
+                       "export, or load the GGUF once with transformers and save_pretrained it to a folder")
     args = {"pretrained": str(path), "dtype": "float32" if torch_device.type == "cpu" else "bfloat16",
             "trust_remote_code": False}
-    if gguf_file is not None:
-        args["gguf_file"] = gguf_file
-        args["tokenizer"] = str(path)
     return args, str(torch_device)
 
 
@@ -139,7 +139,7 @@ def evaluate(config: EvaluateConfig) -> dict:
         return {}
     results.pop("samples", None)
     results = json.loads(json.dumps(results, default=handle_non_serializable))
-    fingerprint = model_fingerprint(Path(model_args["pretrained"]), model_args.get("gguf_file"))
+    fingerprint = model_fingerprint(Path(model_args["pretrained"]))
     results["csd_pipeline"] = {
         "model": config.model, "model_path": model_args["pretrained"], "model_sha256": fingerprint["sha256"],
         "tasks": list(config.tasks), "include_paths": list(config.include_paths), "limit": config.limit,

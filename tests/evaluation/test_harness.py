@@ -54,6 +54,10 @@ def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_pat
     code, out, err = run_cli(["evaluate", "--model", tmp_path / "no-such-export", "--tasks", "csd_next_sentence",
                               "--output", output])
     _one_error_line(code, out, err, "no-such-export")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    code, out, err = run_cli(["evaluate", "--model", tmp_path / "model.gguf", "--tasks", "csd_next_sentence",
+                              "--output", output])
+    _one_error_line(code, out, err, "not GGUF")
     assert not output.exists()
 
 
