@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "inspect": "cli.outputs:inspect",
     "report": "cli.report:report",
     "bits-per-byte": "cli.evaluate:bits_per_byte",
+    "evaluate": "cli.harness:evaluate",
     "fixtures": "cli.fixtures:fixtures",
 }
 
@@ -35,6 +36,7 @@ HELP_LINES = {
     "inspect": "Summarise a stage output: rows, tokens, chunk shapes, rejections.",
     "report": "Write a Markdown report with plots of aligned, teacher and training outputs.",
     "bits-per-byte": "Held-out bits per byte of a model on an aligned folder (any tokenizer).",
+    "evaluate": "Score a model on lm-evaluation-harness tasks (extra [eval]; --list-tasks).",
     "fixtures": "Fetch, convert and verify the real tokenizer and model fixtures.",
 }
 

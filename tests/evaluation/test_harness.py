@@ -1,0 +1,109 @@
+"""`csd-pipeline evaluate`: lm-evaluation-harness on the project's own task, offline, on the SmolLM2 fixture;
+the harness's accuracy is checked against a float64 count of the same log-likelihoods."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+PROJECT_TASKS = ["csd_next_sentence", "csd_next_sentence_devil", "csd_next_sentence_kjv"]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+
+
+def _one_error_line(code, out, err, fragment):
+    lines = err.strip().splitlines()
+    assert code != 0 and out == "", (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], err
+
+
+def test_a_missing_lm_eval_is_one_error_line_saying_how_to_install(run_cli, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)   # `import lm_eval` now raises ImportError
+    code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_next_sentence",
+                              "--output", tmp_path / "r.json"])
+    _one_error_line(code, out, err, "pip install 'csd-pipeline[eval]'")
+    code, out, err = run_cli(["evaluate", "--list-tasks"])
+    _one_error_line(code, out, err, "pip install 'csd-pipeline[eval]'")
+
+
+@pytest.mark.slow   # indexing the harness's ~14,000 task names takes about 8 s
+def test_list_tasks_puts_the_projects_first_then_the_users_then_the_harness(run_cli, tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
+    (tmp_path / "mine.yaml").write_text("task: my_own_task\ndataset_path: json\noutput_type: multiple_choice\n")
+    code, out, err = run_cli(["evaluate", "--list-tasks", "--include-path", tmp_path])
+    assert code == 0, err
+    names = out.splitlines()
+    assert names[:3] == PROJECT_TASKS and names[3] == "my_own_task"
+    assert "hellaswag" in names[4:] and len(names) > 1000
+
+
+def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
+    output = tmp_path / "r.json"
+    code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_next_sentence,no_such_task",
+                              "--output", output])
+    _one_error_line(code, out, err, "unknown task no_such_task")
+    code, out, err = run_cli(["evaluate", "--model", tmp_path / "no-such-export", "--tasks", "csd_next_sentence",
+                              "--output", output])
+    _one_error_line(code, out, err, "no-such-export")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    code, out, err = run_cli(["evaluate", "--model", tmp_path / "model.gguf", "--tasks", "csd_next_sentence",
+                              "--output", output])
+    _one_error_line(code, out, err, "not GGUF")
+    assert not output.exists()
+
+
+def reference_accuracy(model_dir, items) -> tuple[float, float]:
+    """(acc, acc_norm) counted by hand: float64 log-likelihood of " choice" after the context, argmax (acc_norm:
+    divided by the choice's length in bytes, as the harness does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    hits = hits_norm = 0
+    for item in items:
+        context_ids = tokenizer(item["context"])["input_ids"]
+        scores = []
+        for choice in item["choices"]:
+            ids = tokenizer(item["context"] + " " + choice)["input_ids"]
+            if ids[:len(context_ids)] != context_ids:   # the harness splits off the context the same way
+                raise ValueError(f"{item['id']}: the context's tokens change when the choice follows")
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+            scores.append(sum(float(logp[j - 1, ids[j]]) for j in range(len(context_ids), len(ids))))
+        hits += max(range(4), key=lambda k: scores[k]) == item["label"]
+        norm = [s / len((" " + c).encode("utf-8")) for s, c in zip(scores, item["choices"])]
+        hits_norm += max(range(4), key=lambda k: norm[k]) == item["label"]
+    return hits / len(items), hits_norm / len(items)
+
+
+@pytest.mark.slow
+def test_the_fixture_scores_like_a_float64_count(run_cli, model_path, tmp_path):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
+    from csd_pipeline.evaluation import next_sentence as ns
+
+    output = tmp_path / "results.json"
+    code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_next_sentence_devil",
+                              "--limit", 8, "--batch-size", 4, "--device", "cpu", "--output", output])
+    assert code == 0, err
+    results = json.loads(output.read_text())
+    scores = results["results"]["csd_next_sentence_devil"]
+    n = 8
+    for metric in ("acc", "acc_norm"):
+        value, stderr = scores[f"{metric},none"], scores[f"{metric}_stderr,none"]
+        assert stderr == pytest.approx(math.sqrt(value * (1 - value) / (n - 1)))   # the harness's sample stderr
+    assert f"csd_next_sentence_devil acc {scores['acc,none']:.4f}" in out
+    assert results["csd_pipeline"]["model_path"] == str(model_path("smollm2-135m-instruct"))
+    assert results["csd_pipeline"]["dtype"] == "float32" and results["n-samples"]["csd_next_sentence_devil"]["effective"] == n
+    items = [json.loads(line) for line in (ns.TASK_DIR / "devil.jsonl").read_text().splitlines()][:n]
+    acc, acc_norm = reference_accuracy(model_path("smollm2-135m-instruct"), items)
+    assert (scores["acc,none"], scores["acc_norm,none"]) == pytest.approx((acc, acc_norm))
