@@ -173,7 +173,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--regime", action="append", choices=list(REGIMES), help="default: both")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side, each with cores/jobs torch threads")
     parser.add_argument("--quick", action="store_true", help="two documents per language, 4 steps: a smoke run")
+    parser.add_argument("--table", type=Path, help="only print the tables of a results file (e.g. docs/results/pretrained.json)")
     args = parser.parse_args(argv)
+    if args.table:
+        merged = json.loads(args.table.read_text())
+        for regime in args.regime or sorted({r["regime"] for r in merged["results"]}):
+            print_table(merged["results"], merged["reference_bits_per_byte"], regime)
+        return 0
     arms = [a.strip() for a in args.arms.split(",")]
     if set(arms) - set(ARMS):
         parser.error(f"--arms: unknown arm(s) {sorted(set(arms) - set(ARMS))}; choose from {', '.join(ARMS)}")
