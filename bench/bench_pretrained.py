@@ -51,6 +51,8 @@ ARMS = {
     "csd kl b1": CSD,
     "csd kl b1 prefix": [*CSD, "--spelling", "prefix"],
     "csd kl b1 w0.25": [*CSD, "--kd-weight", "0.25"],
+    # the from-scratch recipe with ULD's weighting (L = CE + 0.5 KD) instead of the dynamic scale
+    "csd kl b1 t1.5 fixed0.5": [*CSD, "--teacher-temperature", "1.5", "--kd-scale", "fixed", "--kd-weight", "0.5"],
     "csd kl b1 shuffled": [*CSD, "--teacher-control", "shuffled"],
     "uld w0.5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "0.5"],
     "gold m0.9": ["--loss", "gold", "--divergence", "jsd", "--gold-matched-weight", "0.9", "--kd-scale", "fixed",
@@ -168,7 +170,7 @@ def print_table(results: list[dict], scores: dict, regime: str) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench-pretrained")
-    parser.add_argument("--arms", default="ce,csd kl b1 t1.5", help=f"comma-separated, of: {', '.join(ARMS)}")
+    parser.add_argument("--arms", default="ce,csd kl b1 t1.5 fixed0.5", help=f"comma-separated, of: {', '.join(ARMS)}")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--regime", action="append", choices=list(REGIMES), help="default: both")
     parser.add_argument("--jobs", type=int, default=1, help="runs side by side, each with cores/jobs torch threads")
