@@ -16,7 +16,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained gpu-check lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune gpu-check lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-compare  CSD against ULD, GOLD, CT-OPD's strict KD and a shuffled-teacher control (about 3 hours)"
 	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (about 3 hours)"
 	@echo "make bench-pretrained  CSD for a pretrained SmolLM2 on five languages from Gemma 3 (BENCH_ARGS: arms, seeds)"
+	@echo "make bench-prune  heal a depth-pruned SmolLM2: CE, CSD from Gemma 3, CSD and KD from the unpruned SmolLM2"
 	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
@@ -77,6 +78,9 @@ bench-compare: fixtures
 BENCH_ARGS ?= --jobs 2
 bench-pretrained: fixtures
 	$(PY) bench/bench_pretrained.py $(BENCH_ARGS)
+
+bench-prune: fixtures
+	$(PY) bench/bench_prune.py $(BENCH_ARGS)
 
 bench-teachers: fixtures
 	$(PY) bench/bench_teachers.py --jobs 2
