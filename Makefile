@@ -16,7 +16,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune gpu-check lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune gpu-check docs lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-pretrained  CSD for a pretrained SmolLM2 on five languages from Gemma 3 (BENCH_ARGS: arms, seeds)"
 	@echo "make bench-prune  heal a depth-pruned SmolLM2: CE, CSD from Gemma 3, CSD and KD from the unpruned SmolLM2"
 	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
+	@echo "make docs        regenerate the generated parts of docs/ (the layout table of ARCHITECTURE.md)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
 
@@ -88,6 +89,9 @@ bench-teachers: fixtures
 # on the first CUDA device (a few minutes); without one it says "no CUDA device" and exits 0
 gpu-check: fixtures
 	$(PY) bench/gpu_check.py
+
+docs:
+	$(PY) docs/layout.py
 
 lint: venv
 	$(VENV)/bin/ruff check csd_pipeline cli trainer schemas tests bench
