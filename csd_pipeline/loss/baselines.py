@@ -45,7 +45,7 @@ from csd_pipeline.loss.csd import (
     combine_losses,
     divergence_terms,
 )
-from csd_pipeline.loss.token_logprobs import accumulation_dtype, chunked_token_logprobs, dense_token_logprobs
+from csd_pipeline.loss.token_logprobs import accumulation_dtype, gather_parts, student_inputs
 
 STRICT_TAIL_FLOOR = 1e-6
 _AUTO_ROW_ELEMENTS = 1 << 23  # student row elements per checkpointed chunk (32 MiB in float32)
@@ -89,13 +89,9 @@ def baseline_loss(
         raise CsdError(f"the GOLD matched weight must be within [0, 1], got {gold_matched_weight} (gold_matched_weight).")
     if strict_top_k < 0:
         raise CsdError(f"strict_top_k must be 0 (all shared classes) or more, got {strict_top_k}.")
-    if (logits is None) == (hidden is None or weight is None):
-        raise CsdError("baseline_loss needs either hidden and weight (chunked path) or logits, not both.")
-    device = logits.device if logits is not None else hidden.device
+    device, ce_positions, ce_tokens, teachers = student_inputs(ce_positions, ce_tokens, teachers, hidden=hidden,
+                                                                weight=weight, logits=logits, loss="baseline_loss")
     n_positions = logits.shape[0] if logits is not None else hidden.shape[0]
-    ce_positions = torch.as_tensor(ce_positions, dtype=torch.int64).to(device)
-    ce_tokens = torch.as_tensor(ce_tokens, dtype=torch.int64).to(device)
-    teachers = [t.to(device) for t in teachers]
     # CE at the first teacher's final positions is taken from the rows computed there anyway
     ce_at = torch.full((n_positions,), -1, dtype=torch.int64, device=device)
     ce_at[ce_positions] = ce_tokens
@@ -106,16 +102,11 @@ def baseline_loss(
     keep = elsewhere[ce_positions]
     pos_parts = [ce_positions[keep]] + [t.chain_pos for t in teachers]
     tok_parts = [ce_tokens[keep]] + [t.chain_tok for t in teachers]
-    positions, tokens = torch.cat(pos_parts), torch.cat(tok_parts)
+    pieces = gather_parts(pos_parts, tok_parts, hidden=hidden, weight=weight, logits=logits, chunk_size=chunk_size)
     if logits is not None:
-        gathered = dense_token_logprobs(logits, positions, tokens)
-        rows_of = partial(_rows_from_logits, logits)
-        width = logits.shape[1]
+        rows_of, width = partial(_rows_from_logits, logits), logits.shape[1]
     else:
-        gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=chunk_size)
-        rows_of = partial(_rows_from_hidden, hidden, weight)
-        width = weight.shape[0]
-    pieces = torch.split(gathered, [p.numel() for p in pos_parts])
+        rows_of, width = partial(_rows_from_hidden, hidden, weight), weight.shape[0]
     options = {"kind": kind, "divergence": divergence, "matched_weight": gold_matched_weight,
                "top_n": int(strict_top_k), "strict_divergence": strict_divergence}
     ce_sum, terms = -pieces[0].sum(), []

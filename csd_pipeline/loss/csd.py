@@ -24,8 +24,8 @@ from csd_pipeline.loss.token_logprobs import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_KEEP_BYTES,
     DEFAULT_KEEP_DTYPE,
-    chunked_token_logprobs,
-    dense_token_logprobs,
+    gather_parts,
+    student_inputs,
 )
 from schemas.aligned import SHAPES
 
@@ -303,28 +303,16 @@ def csd_loss(
     number of CE targets; global_chunk_counts to the local chunk counts (see `combine_losses`).
     An empty `teachers` (loss "ce") gives L = CE. Raises CsdError on bad inputs.
     """
-    import torch
-
     check_divergence(divergence)
-    if (logits is None) == (hidden is None or weight is None):
-        raise CsdError("csd_loss needs either hidden and weight (chunked path) or logits, not both.")
-    device = logits.device if logits is not None else hidden.device
-    ce_positions = torch.as_tensor(ce_positions, dtype=torch.int64).to(device)
-    ce_tokens = torch.as_tensor(ce_tokens, dtype=torch.int64).to(device)
-    teachers = [t.to(device) for t in teachers]
+    _, ce_positions, ce_tokens, teachers = student_inputs(ce_positions, ce_tokens, teachers, hidden=hidden,
+                                                          weight=weight, logits=logits, loss="csd_loss")
     pos_parts = [ce_positions]
     tok_parts = [ce_tokens]
     for ev in teachers:
         pos_parts += [ev.chain_pos, ev.final_pos]
         tok_parts += [ev.chain_tok, ev.final_tok]
-    positions = torch.cat(pos_parts)
-    tokens = torch.cat(tok_parts)
-    if logits is not None:
-        gathered = dense_token_logprobs(logits, positions, tokens)
-    else:
-        gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=chunk_size,
-                                          keep_bytes=keep_bytes, keep_dtype=keep_dtype)
-    pieces = torch.split(gathered, [p.numel() for p in pos_parts])
+    pieces = gather_parts(pos_parts, tok_parts, hidden=hidden, weight=weight, logits=logits, chunk_size=chunk_size,
+                          keep_bytes=keep_bytes, keep_dtype=keep_dtype)
     ce_sum = -pieces[0].sum()
     terms = [
         csd_divergence(

@@ -154,27 +154,18 @@ class KdLoss(TrainingLoss):
         import torch
 
         from csd_pipeline.loss.csd import combine_losses
-        from csd_pipeline.loss.token_logprobs import chunked_token_logprobs, dense_token_logprobs
+        from csd_pipeline.loss.token_logprobs import gather_parts, student_inputs
 
-        if (logits is None) == (hidden is None or weight is None):
-            raise CsdError("the kd loss needs either hidden and weight (chunked path) or logits, not both.")
-        device = logits.device if logits is not None else hidden.device
-        ce_positions = torch.as_tensor(ce_positions, dtype=torch.int64).to(device)
-        ce_tokens = torch.as_tensor(ce_tokens, dtype=torch.int64).to(device)
-        teachers = [t.to(device) for t in teachers]
+        _, ce_positions, ce_tokens, teachers = student_inputs(ce_positions, ce_tokens, teachers, hidden=hidden,
+                                                              weight=weight, logits=logits, loss="the kd loss")
         pos_parts, tok_parts = [ce_positions], [ce_tokens]
         for rows in teachers:
             valid = torch.isfinite(rows.logq)
             pos_parts.append(rows.position[:, None].expand_as(rows.ids)[valid])
             tok_parts.append(rows.ids[valid])
-        positions, tokens = torch.cat(pos_parts), torch.cat(tok_parts)
-        if logits is not None:
-            gathered = dense_token_logprobs(logits, positions, tokens)
-        else:
-            gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=self._chunk_size(),
-                                              keep_bytes=self.options["loss_keep_mb"] << 20,
-                                              keep_dtype=self.options["loss_keep_dtype"])
-        pieces = torch.split(gathered, [p.numel() for p in pos_parts])
+        pieces = gather_parts(pos_parts, tok_parts, hidden=hidden, weight=weight, logits=logits,
+                              chunk_size=self._chunk_size(), keep_bytes=self.options["loss_keep_mb"] << 20,
+                              keep_dtype=self.options["loss_keep_dtype"])
         terms = [kd_divergence(pieces[1 + i], rows) for i, rows in enumerate(teachers)]
         if global_ce_tokens is None:
             global_ce_tokens = int(ce_positions.numel())

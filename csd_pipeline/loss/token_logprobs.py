@@ -319,3 +319,32 @@ def _check_range(values, upper: int, what: str) -> None:
             f"a requested {what} ({lo if lo < 0 else hi}) is outside [0, {upper}); the events do not "
             f"match the student batch or vocabulary: rebuild them with the student's tokenizer."
         )
+
+
+def student_inputs(ce_positions, ce_tokens, teachers, *, hidden, weight, logits, loss: str):
+    """What every loss does first with its inputs: check that it got the student's `hidden` and `weight`
+    (chunked path) or its `logits`, and move the CE targets and each teacher's rows to the student's device.
+
+    Returns (device, ce_positions, ce_tokens, teachers). Raises CsdError naming `loss` on a wrong combination.
+    """
+    import torch
+
+    if (logits is None) == (hidden is None or weight is None):
+        raise CsdError(f"{loss} needs either hidden and weight (chunked path) or logits, not both.")
+    device = logits.device if logits is not None else hidden.device
+    return (device, torch.as_tensor(ce_positions, dtype=torch.int64).to(device),
+            torch.as_tensor(ce_tokens, dtype=torch.int64).to(device), [t.to(device) for t in teachers])
+
+
+def gather_parts(pos_parts, tok_parts, *, hidden=None, weight=None, logits=None, **chunked):
+    """The student's log-probabilities of each part's (position, token) pairs, gathered in one pass over the
+    vocabulary (`dense_token_logprobs` from `logits`, else `chunked_token_logprobs` with `chunked`'s options)
+    and split back into one tensor per part."""
+    import torch
+
+    positions, tokens = torch.cat(pos_parts), torch.cat(tok_parts)
+    if logits is not None:
+        gathered = dense_token_logprobs(logits, positions, tokens)
+    else:
+        gathered = chunked_token_logprobs(hidden, weight, positions, tokens, **chunked)
+    return torch.split(gathered, [p.numel() for p in pos_parts])
