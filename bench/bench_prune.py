@@ -14,7 +14,8 @@ steps, KD weight fixed at 0.5 (L = CE + 0.5 KD, the pretrained-student recipe of
 teacher temperature 1 (same-vocabulary KD is defined at T = 1, and every arm uses the same).
 
 Arms (ARMS): `ce`; `csd gemma3` and `csd gemma3 t1.5` (CSD from Gemma 3); `csd smollm2` (CSD from the unpruned
-SmolLM2); `kd smollm2` (`--loss kd`: forward KL on the stored entries plus the rest). Reference scores:
+SmolLM2); `kd smollm2` (`--loss kd`: forward KL on the stored entries plus the rest); each KD arm also with the
+from-scratch weighting, the dynamic scale (`... dynamic`). Reference scores:
 the pruned model before healing, the unpruned SmolLM2, Gemma 3. "Gap closed" is
 (before - arm) / (before - unpruned).
 
@@ -42,13 +43,18 @@ TRAIN_TAKE, STEPS, LR, WARMUP = slice(0, None, 2), 100, "1e-4", 5
 TRAIN = ["--seq-len", str(WINDOW), "--batch-size", "2", "--lr", LR, "--save-every", "0", "--workers", "1",
          "progress=false"]
 FIXED = ["--kd-scale", "fixed", "--kd-weight", "0.5"]
-CSD = ["--loss", "csd", "--divergence", "kl", "--beta", "1", *FIXED]
+KL = ["--loss", "csd", "--divergence", "kl", "--beta", "1"]
+CSD = [*KL, *FIXED]
 ARMS = {  # arm: (teacher or None, flags)
     "ce": (None, ["--loss", "ce"]),
     "csd gemma3": ("gemma3", CSD),
     "csd gemma3 t1.5": ("gemma3", [*CSD, "--teacher-temperature", "1.5"]),
     "csd smollm2": ("smollm2", CSD),
     "kd smollm2": ("smollm2", ["--loss", "kd", *FIXED]),
+    # the from-scratch weighting (the dynamic scale sg(CE/KD)): the pruned model starts far from its teacher
+    "csd gemma3 dynamic": ("gemma3", KL),
+    "csd smollm2 dynamic": ("smollm2", KL),
+    "kd smollm2 dynamic": ("smollm2", ["--loss", "kd"]),
 }
 
 
