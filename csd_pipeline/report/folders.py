@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from csd_pipeline.runtime.storage import location
 from csd_pipeline.errors import CsdError
 from schemas.aligned import STAGE as ALIGN_STAGE
 from schemas.teacher_topk import STAGE as TEACHER_STAGE
@@ -63,7 +64,7 @@ def recognise(directory) -> Folder:
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from schemas.training_run import METRICS_FILE
 
-    path = Path(directory)
+    path = location(directory)
     if not path.is_dir():
         raise CsdError(f"{path} is not a folder; pass output folders of align, teacher-logits or csd-train.")
     if (path / MANIFEST_NAME).is_file():

@@ -28,6 +28,7 @@ import re
 import zlib
 from collections.abc import Iterator
 
+from csd_pipeline.runtime.storage import open_input
 from csd_pipeline.align.corpus.documents import (
     BOM,
     WHITESPACE,
@@ -68,7 +69,7 @@ class FrameStream(io.RawIOBase):
     def __init__(self, file: CorpusFile, offset: int = 0, track: bool = False):
         super().__init__()
         self._compression = file.compression
-        self._raw = open(file.path, "rb")
+        self._raw = open_input(file.path)
         self._raw.seek(offset)
         self._pending, self._pending_at = b"", offset  # compressed bytes not fed yet, and their offset
         self._decoder = None
