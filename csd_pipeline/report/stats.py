@@ -73,7 +73,9 @@ def aligned_tables(aligned: AlignedOutput) -> AlignedTables:
         return tables
     aligned.verify()
     pl = _polars()
-    scan = pl.scan_parquet([str(aligned.shard_path(shard)) for shard in aligned.shards])
+    from csd_pipeline.runtime.storage import parquet_source  # a path string; a streamed object on a store
+
+    scan = pl.scan_parquet([parquet_source(aligned.shard_path(shard)) for shard in aligned.shards])
     chat = aligned.mode == "chat"
     windows = _collect(_windows_query(pl, scan, aligned, chat))
     documents = _collect(_documents_query(pl, scan))

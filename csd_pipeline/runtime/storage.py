@@ -61,6 +61,34 @@ def configure(options_json: str | None) -> None:
     os.environ[OPTIONS_ENV] = json.dumps(options)
 
 
+def use_cache_dir(path) -> None:
+    """Take `--cache-dir DIR`: objects read with a recorded sha256 are read from checked local copies there."""
+    os.environ[CACHE_ENV] = os.path.abspath(os.fspath(path))
+
+
+def take_storage_flags(argv: list[str]) -> list[str]:
+    """Apply `--storage-options JSON` and `--cache-dir DIR` (also `--flag=value`) found in `argv` (csd-train's
+    arguments) and return the others, so neither reaches the run's saved config."""
+    rest, index = [], 0
+    while index < len(argv):
+        flag, _, inline = argv[index].partition("=")
+        if flag in ("--storage-options", "--cache-dir"):
+            value = inline if inline else (argv[index + 1] if index + 1 < len(argv) else None)
+            index += 1 if inline else 2
+            if value is None:
+                from csd_pipeline.errors import CsdError
+
+                raise CsdError(f"{flag} needs a value; pass {flag} VALUE.")
+            if flag == "--storage-options":
+                configure(value)
+            else:
+                use_cache_dir(value)
+        else:
+            rest.append(argv[index])
+            index += 1
+    return rest
+
+
 def storage_options() -> dict:
     """The fsspec keyword arguments given with `--storage-options` (empty when none)."""
     text = os.environ.get(OPTIONS_ENV)
@@ -133,6 +161,20 @@ def upload(tmp: Path, final) -> None:
     completed before this returns), then remove `tmp`."""
     final.fs.put_file(str(tmp), final.path)
     tmp.unlink(missing_ok=True)
+
+
+def upload_folder(local: Path, target, last: str) -> None:
+    """Replace the object folder `target` by the local folder `local` (then removed): every file,
+    `last` (the file a reader opens first, e.g. an HF export's config.json) after all the others, so
+    a reader never finds it next to missing files."""
+    import shutil
+
+    if target.exists():
+        target.fs.rm(target.path, recursive=True)
+    files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name == last, str(p)))
+    for path in files:
+        target.fs.put_file(str(path), (target / path.relative_to(local).as_posix()).path)
+    shutil.rmtree(local, ignore_errors=True)
 
 
 def write_object(final, data: bytes) -> None:

