@@ -108,15 +108,56 @@ def run_four_stages(root: Path, base: str, out: str) -> float:
     return json.loads(result)["bits_per_byte"]
 
 
-def test_the_four_stages_in_s3_write_the_local_bytes(work, s3_server):
-    local_bpb = run_four_stages(work, "", "local/")
-    remote_bpb = run_four_stages(work, "s3://stages/", "s3://stages/run/")
+@pytest.fixture(scope="module")
+def runs(work):
+    """The four stages run locally (in `work/local/`) and in the bucket (`s3://stages/run/`): their bits per byte."""
+    return run_four_stages(work, "", "local/"), run_four_stages(work, "s3://stages/", "s3://stages/run/")
+
+
+def test_the_four_stages_in_s3_write_the_local_bytes(work, runs, s3_server):
+    local_bpb, remote_bpb = runs
     for name in ("aligned", "heldout", "topk"):
         local, remote = shards(local_files(work / "local" / name)), shards(s3_server.objects(f"s3://stages/run/{name}"))
         assert local and remote == local, name  # every shard, byte for byte
-    losses = [json.loads(line)["loss"] for line in (work / "local/student/metrics.jsonl").read_text().splitlines()]
-    remote_metrics = s3_server.objects("s3://stages/run/student")["metrics.jsonl"].decode().splitlines()
-    assert [json.loads(line)["loss"] for line in remote_metrics] == losses
     assert remote_bpb == local_bpb
     everything = s3_server.objects("s3://stages")
     assert all(SECRET.encode() not in data for data in everything.values())
+
+
+def test_kill_9_mid_stage_with_the_output_in_s3_resumes_to_the_same_bytes(work, runs, s3_server):
+    from cli.main import main as pipeline
+
+    out = "s3://stages/killed/"
+    crash = {"CSD_TEST_CRASH": "before_marker:1"}  # the shard object is uploaded, its record is not
+    killed = cli(["align", "--corpus", "s3://stages/corpus", *STAGE_ARGS, "--output", f"{out}aligned"], work, crash)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    written = s3_server.objects(f"{out}aligned")
+    assert "part-00000-00000.parquet" in written and "manifest.json" not in written
+    assert "done/part-00000-00000.done" not in written  # an object without its record: absent for the re-run
+    in_process(pipeline, ["align", "--corpus", "s3://stages/corpus", *STAGE_ARGS, "--output", f"{out}aligned"], work)
+    assert shards(s3_server.objects(f"{out}aligned")) == shards(local_files(work / "local" / "aligned"))
+
+    teacher = ["teacher-logits", "--aligned", f"{out}aligned", "--teacher", work / "teacher", "--top-k", "8",
+               "--device", "cpu", "--output", f"{out}topk", "--quiet"]
+    killed = cli(teacher, work, crash)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert "manifest.json" not in s3_server.objects(f"{out}topk")
+    in_process(pipeline, teacher, work)
+    assert shards(s3_server.objects(f"{out}topk")) == shards(local_files(work / "local" / "topk"))
+
+
+def test_csd_train_killed_mid_checkpoint_in_s3_resumes_to_the_same_losses(work, runs, s3_server):
+    from trainer.main import main as train
+
+    args = ["--aligned", "s3://stages/run/aligned", "--teacher-logits", "s3://stages/run/topk", "--student-config",
+            work / "student.json", *TRAIN_ARGS, "--output", "s3://stages/resumed"]
+    killed = cli(args, work, {"CSD_TEST_CRASH": "checkpoint_written:2"}, tool=("-m", "trainer.main"))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    written = s3_server.objects("s3://stages/resumed")
+    assert "checkpoints/step-1/complete.json" in written and "checkpoints/step-2/.metadata" in written
+    assert "checkpoints/step-2/complete.json" not in written  # DCP's files, no completion record: not a checkpoint
+    in_process(train, [*args, "--resume"], work)
+    written = s3_server.objects("s3://stages/resumed")
+    assert "checkpoints/step-2/complete.json" in written
+    losses = [json.loads(line)["loss"] for line in (work / "local/student/metrics.jsonl").read_text().splitlines()]
+    assert [json.loads(line)["loss"] for line in written["metrics.jsonl"].decode().splitlines()] == losses
