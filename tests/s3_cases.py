@@ -61,13 +61,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """moto's S3 server as a process on 127.0.0.1 (a free port), with the AWS_* variables set for it."""
+def start_moto(env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `python -m moto.server` on a free port of 127.0.0.1 (`env`: more variables for it, e.g.
+    INITIAL_NO_AUTH_ACTION_COUNT=0 to check credentials); returns (process, endpoint) once it listens."""
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -78,6 +77,13 @@ def s3_server():
                 process.kill()
                 raise RuntimeError(f"moto server did not start on port {port}") from None
             time.sleep(0.1)
+    return process, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server as a process on 127.0.0.1 (a free port), with the AWS_* variables set for it."""
+    process, endpoint = start_moto()
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
            "AWS_DEFAULT_REGION": "us-east-1"}
     before = {key: os.environ.get(key) for key in env}

@@ -123,14 +123,61 @@ def location(arg):
     except ValueError as err:
         raise CsdError(f"{redact(arg)} is not a storage URL this installation reads ({err}); "
                        "check the protocol, or pass a local path.") from None
+    except TypeError as err:
+        raise _refused_options(arg, err) from None
     if arg not in _roots:
         _roots.append(arg)
+    if path.protocol in _EXTRAS:
+        _check_store(path, arg)
     return path
+
+
+_checked_buckets: set[str] = set()
+
+
+def _check_store(path, url: str) -> None:
+    """The first time this process touches a bucket: one request that fails, as one `CsdError` naming
+    `url`, when the endpoint cannot be reached, the credentials are refused or the bucket is missing
+    (later calls that swallow errors, such as `is_file`, would otherwise report "not found")."""
+    from csd_pipeline.errors import CsdError
+
+    bucket = path.path.split("/", 1)[0]
+    key = json.dumps([path.protocol, bucket, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get(OPTIONS_ENV)])
+    if key in _checked_buckets:
+        return
+    try:
+        try:
+            path.fs.info(path.path)
+        except FileNotFoundError:
+            if not path.fs.exists(bucket):
+                raise CsdError(f"{redact(url)}: the bucket {bucket!r} does not exist (or these credentials cannot see "
+                               "it); create it, or fix the URL.") from None
+    except CsdError:
+        raise
+    except TypeError as err:  # the client is made at the first request: an option it does not take
+        raise _refused_options(url, err) from None
+    except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise many types
+        message = describe_error(err, url)
+        if message is None:
+            raise
+        raise CsdError(message) from None
+    _checked_buckets.add(key)
 
 
 def is_remote_object(value) -> bool:
     """True for a `upath.UPath` (what `location` makes of a URL)."""
     return type(value).__module__.startswith("upath")
+
+
+def _refused_options(url: str, err: TypeError):
+    """The `CsdError` for `--storage-options` that the file system does not take (the option's name only,
+    never a value: it may be a secret)."""
+    from csd_pipeline.errors import CsdError
+
+    name = re.search(r"keyword argument '([^']+)'", str(err))
+    what = f"it takes no option {name.group(1)!r}" if name else "an option it does not take"
+    return CsdError(f"the file system of {redact(url)} refused --storage-options ({what}); pass only options it "
+                    "documents (s3fs: endpoint_url, key, secret, client_kwargs, ...).")
 
 
 def redact(url: str) -> str:

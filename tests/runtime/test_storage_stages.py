@@ -161,3 +161,40 @@ def test_csd_train_killed_mid_checkpoint_in_s3_resumes_to_the_same_losses(work, 
     assert "checkpoints/step-2/complete.json" in written
     losses = [json.loads(line)["loss"] for line in (work / "local/student/metrics.jsonl").read_text().splitlines()]
     assert [json.loads(line)["loss"] for line in written["metrics.jsonl"].decode().splitlines()] == losses
+
+
+def one_error_line(done, url: str) -> str:
+    """The stderr of a failed command: one `error:` line that names `url` and never the secret."""
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-2000:]
+    assert url in lines[0] and SECRET not in done.stderr + done.stdout
+    return lines[0]
+
+
+def test_object_store_failures_are_one_error_line_naming_the_url(work, runs, s3_server):
+    from tests.s3_cases import _free_port, start_moto
+
+    aligned, quick = "s3://stages/run/aligned", {"AWS_MAX_ATTEMPTS": "1"}  # no retries against a closed port
+    wrong = one_error_line(cli(["status", aligned], work, {**quick, "AWS_ENDPOINT_URL":
+                                                           f"http://127.0.0.1:{_free_port()}"}), aligned)
+    assert "cannot be reached" in wrong and "AWS_ENDPOINT_URL" in wrong
+    missing = one_error_line(cli(["inspect", "s3://no-such-bucket/aligned"], work), "s3://no-such-bucket/aligned")
+    assert "bucket 'no-such-bucket' does not exist" in missing
+
+    checking, endpoint = start_moto({"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # a server that checks credentials
+    try:
+        denied = one_error_line(cli(["status", aligned], work, {**quick, "AWS_ENDPOINT_URL": endpoint}), aligned)
+    finally:
+        checking.kill()
+        checking.wait()
+    assert "access was denied" in denied and "AWS_SECRET_ACCESS_KEY" in denied
+
+    # An aligned shard deleted after align wrote its manifest: teacher-logits names it and says what to do.
+    from csd_pipeline.runtime.storage import location
+
+    copy = location("s3://stages/deleted/aligned")
+    copy.fs.copy(location(aligned).path, copy.path, recursive=True)
+    copy.fs.rm_file((copy / "part-00000-00000.parquet").path)
+    deleted = one_error_line(cli(["teacher-logits", "--aligned", str(copy), "--teacher", work / "teacher", "--device",
+                                  "cpu", "--output", "s3://stages/deleted/topk", "--quiet"], work), str(copy))
+    assert "part-00000-00000.parquet is missing" in deleted
