@@ -122,7 +122,13 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
         raise CsdError(_failure_message(final, failure, output))
     try:
         model_state, optim_state = get_state_dict(wrapper, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, storage_writer=_storage_writer(tmp))
+        if remote:  # DCP's fsspec writer, straight into the object store
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            dcp.save({"model": model_state, "optim": optim_state},
+                     storage_writer=FsspecWriter(str(tmp), **tmp.storage_options))
+        else:
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         _maybe_crash("checkpoint_written", step)
     except (Exception, CheckpointException) as err:  # CheckpointException (every rank) is a BaseException
         failure = err
@@ -147,17 +153,6 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
             _remove_tree(old)
     distributed.barrier()
     return final
-
-
-def _storage_writer(folder):
-    """DCP's writer for `folder`: the local file system one, or DCP's fsspec writer for an object store."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    if not storage.is_remote(folder):
-        return FileSystemWriter(str(folder))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-    return FsspecWriter(str(folder), **folder.storage_options)
 
 
 def _remove_tree(folder) -> None:
