@@ -118,7 +118,6 @@ def run_cli(command, argv=None) -> None:
         sys.exit(130)
     except OSError as err:  # disk full, read-only output, ... that no stage turned into a CsdError
         from csd_pipeline.runtime.io_errors import io_error_message
-
         from csd_pipeline.runtime.storage import describe_error
 
         rerun = "run the same command again (align and teacher-logits resume where they stopped)"

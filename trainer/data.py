@@ -11,7 +11,6 @@ rank's stream of micro-batches (`trainer/loader.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from csd_pipeline.align.output import ALIGN_RERUN, AlignedOutput
 from csd_pipeline.errors import CsdError

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from csd_pipeline.runtime import storage
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.files import replace_directory, tmp_path
 
 # The files of a tokenizer (and of a processor) that transformers reads, whichever the student has.

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from csd_pipeline.runtime import storage
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.executor import check_output_dir
 from schemas.aligned import SHAPES
 from trainer import checkpoint, distributed

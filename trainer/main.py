@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except OSError as err:  # disk full, read-only output, ... outside the checkpoint writer's own handling
         from csd_pipeline.runtime.io_errors import io_error_message
-
         from csd_pipeline.runtime.storage import describe_error
 
         message = describe_error(err) or io_error_message(err, "re-run the same command with --resume")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from csd_pipeline.runtime.storage import location
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import SCHEMA_VERSION, STAGE, teacher_columns
 
 ALIGN_RERUN = "csd-pipeline align"

@@ -18,11 +18,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from csd_pipeline.runtime.storage import location
 from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.align.shard_writer import AlignShardWriter, AlignTokenizers
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.executor import ShardTask, Stage, run_configured, shard_name
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import SCHEMA_VERSION, STAGE
 
 TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from csd_pipeline.runtime.storage import location
 from csd_pipeline.errors import CsdError
 from csd_pipeline.generate.config import GenerateConfig
 from csd_pipeline.runtime.executor import (
@@ -35,6 +34,7 @@ from csd_pipeline.runtime.executor import (
     run_configured,
     shard_name,
 )
+from csd_pipeline.runtime.storage import location
 
 STAGE = "generate"
 SCHEMA_VERSION = 1

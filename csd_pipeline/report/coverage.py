@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from csd_pipeline.runtime.storage import location
 from csd_pipeline.errors import CsdError
 from csd_pipeline.report import TEACHER_ROWS
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import SHAPES
 
 

@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from csd_pipeline.runtime.storage import location
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import STAGE as ALIGN_STAGE
 from schemas.teacher_topk import STAGE as TEACHER_STAGE
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
+from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.storage import location
-from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.row import (
     TeacherTopkRow,  # the one type of a teacher row; readers import it from here too
 )

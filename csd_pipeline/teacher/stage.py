@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from csd_pipeline.runtime.storage import location
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.executor import ShardTask, Stage, check_output_dir, run_configured
+from csd_pipeline.runtime.storage import location
 from csd_pipeline.teacher.config import TeacherLogitsConfig
 from csd_pipeline.teacher.shard_writer import TeacherShardWriter, deterministic_torch
 from schemas.teacher_topk import SCHEMA_VERSION, STAGE

@@ -15,7 +15,7 @@ from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.executor import run_stage
 from csd_pipeline.runtime.run_record import stage_status
 from tests.runtime.test_executor import ToyStage
-from tests.s3_cases import SECRET, bucket, s3_server  # noqa: F401 - fixtures
+from tests.s3_cases import SECRET
 
 
 def local_tree(directory) -> dict[str, bytes]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3_cases import SECRET, bucket, s3_server  # noqa: F401 - fixtures
+from tests.s3_cases import SECRET
 from tests.trainer_cases import DATA, STUDENT_CONFIG
 
 pytestmark = pytest.mark.slow

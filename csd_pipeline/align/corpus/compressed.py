@@ -28,7 +28,6 @@ import re
 import zlib
 from collections.abc import Iterator
 
-from csd_pipeline.runtime.storage import open_input
 from csd_pipeline.align.corpus.documents import (
     BOM,
     WHITESPACE,
@@ -42,6 +41,7 @@ from csd_pipeline.align.corpus.documents import (
 )
 from csd_pipeline.align.corpus.files import lines, scanned_documents, txt_blocks
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import open_input
 
 SUFFIXES = {".zst": "zst", ".gz": "gz"}
 RECORD_SUFFIXES = (".txt", ".jsonl", ".json")

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
-from csd_pipeline.runtime.storage import location, open_input, parquet_source
 from csd_pipeline.align.corpus.documents import (
     BOM,
     WHITESPACE,
@@ -26,6 +24,7 @@ from csd_pipeline.align.corpus.documents import (
     text_document,
 )
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import location, open_input, parquet_source
 
 READ_BLOCK = 8 << 20
 _BLANK_RUN = re.compile(rb"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)*")

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from stat import S_ISREG
 
-from csd_pipeline.runtime.storage import is_url, location
 from csd_pipeline.align.corpus import compressed, files, hf
 from csd_pipeline.align.corpus.documents import CorpusFile, Document, ReadOptions
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import is_url, location
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # Shards that start inside one frame of a compressed file (or one shard of a streamed dataset) each
