@@ -55,22 +55,16 @@ def run(quick: bool = False) -> dict:
     import torch
 
     from csd_pipeline.runtime import storage
-    from tests.s3_cases import S3Server, start_moto
+    from tests.s3_cases import moto_server
     from tests.trainer_cases import STUDENT_CONFIG, make_read_store
 
     torch.set_num_threads(1)
     steps = QUICK_STEPS if quick else STEPS
-    process, endpoint = start_moto()
-    saved = {key: os.environ.get(key) for key in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                  "AWS_DEFAULT_REGION", storage.CACHE_ENV)}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1")
     try:
-        with tempfile.TemporaryDirectory() as tmp_name:
+        with tempfile.TemporaryDirectory() as tmp_name, moto_server("bench") as server:
             tmp = Path(tmp_name)
             store = make_read_store(tmp)
             (tmp / "student.json").write_text(json.dumps(STUDENT_CONFIG))
-            server = S3Server(endpoint, {})
             server.client().create_bucket(Bucket="bench")
             for name in ("aligned", "topk"):
                 server.put_tree(store[name], f"s3://bench/{name}")
@@ -93,13 +87,7 @@ def run(quick: bool = False) -> dict:
                                    tmp / f"copy-{arm}-{attempt}")
                     speeds.setdefault(arm, []).append(speed)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        process.kill()
-        process.wait()
+        os.environ.pop(storage.CACHE_ENV, None)
     best = {arm: max(values) for arm, values in speeds.items()}
     metrics = {f"{arm}_steps_per_s": value for arm, value in best.items()}
     metrics.update({f"{arm}_over_local": best[arm] / best["local"] for arm in best if arm != "local"})

@@ -14,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -31,7 +33,7 @@ class S3Server:
         import boto3
 
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
-                            aws_secret_access_key=SECRET, region_name="us-east-1")
+                            aws_secret_access_key=self.env.get("AWS_SECRET_ACCESS_KEY", SECRET), region_name="us-east-1")
 
     def put_tree(self, local, url: str) -> None:
         """Upload every file under the local folder `local` below `url` (s3://bucket/prefix)."""
@@ -80,22 +82,32 @@ def start_moto(env: dict | None = None) -> tuple[subprocess.Popen, str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """moto's S3 server as a process on 127.0.0.1 (a free port), with the AWS_* variables set for it."""
+@contextmanager
+def moto_server(secret: str = SECRET) -> Iterator[S3Server]:
+    """moto's S3 server as a process (`start_moto`) with the AWS_* variables of this process pointing at it
+    (credentials `testing` / `secret`) while the block runs; then the variables are restored, the server stopped."""
     process, endpoint = start_moto()
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET,
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": secret,
            "AWS_DEFAULT_REGION": "us-east-1"}
     before = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
-    yield S3Server(endpoint, env)
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    process.kill()
-    process.wait()
+    try:
+        yield S3Server(endpoint, env)
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server as a process on 127.0.0.1 (a free port), with the AWS_* variables set for it."""
+    with moto_server() as server:
+        yield server
 
 
 @pytest.fixture
