@@ -294,9 +294,14 @@ def readable(path, sha256: str | None):
 
 def parquet_source(path):
     """What `pyarrow.parquet.ParquetFile` / `read_metadata` take for `path`: a path string on a local
-    disk, a streaming file object (ranged reads, no download) on an object store."""
+    disk; on an object store a file of pyarrow's file system over fsspec's (`PyFileSystem(FSSpecHandler)`),
+    which reads the footer and the row groups asked for by ranged requests, never the whole object."""
     path = location(path)
-    return path.fs.open(path.path, "rb") if is_remote(path) else str(path)
+    if not is_remote(path):
+        return str(path)
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    return PyFileSystem(FSSpecHandler(path.fs)).open_input_file(path.path)
 
 
 def cached_copy(path, sha256: str, cache_dir) -> Path:
