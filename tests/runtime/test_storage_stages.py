@@ -96,7 +96,8 @@ def run_four_stages(root: Path, base: str, out: str) -> float:
     pipeline_run(["teacher-logits", "--aligned", f"{out}aligned", "--teacher", root / "teacher", "--top-k", "8",
                   "--device", "cpu", "--output", f"{out}topk", "--quiet"])
     in_process(train, ["--aligned", f"{out}aligned", "--teacher-logits", f"{out}topk", "--student-config",
-                       root / "student.json", *TRAIN_ARGS, "--output", f"{out}student"], root)
+                       root / "student.json", *TRAIN_ARGS, "--eval-aligned", f"{out}heldout", "--eval-every", "2",
+                       "--output", f"{out}student"], root)
     export = root / out / "student" / "export"
     if out.startswith("s3://"):  # the export went to the bucket: bits per byte reads a local copy of it
         from csd_pipeline.runtime.storage import location
@@ -120,6 +121,13 @@ def test_the_four_stages_in_s3_write_the_local_bytes(work, runs, s3_server):
         local, remote = shards(local_files(work / "local" / name)), shards(s3_server.objects(f"s3://stages/run/{name}"))
         assert local and remote == local, name  # every shard, byte for byte
     assert remote_bpb == local_bpb
+    local_eval = (work / "local/student/eval.jsonl").read_bytes()  # csd-train's held-out evaluation, from S3 too
+    remote_eval = s3_server.objects("s3://stages/run/student")["eval.jsonl"]
+    assert [json.loads(line)["bits_per_byte"] for line in remote_eval.splitlines()] == [
+        json.loads(line)["bits_per_byte"] for line in local_eval.splitlines()]
+    report = in_process(__import__("cli.main", fromlist=["main"]).main,
+                        ["report", "s3://stages/run/aligned", "s3://stages/run/topk", "--output", "report"], work)
+    assert (work / "report" / "report.md").is_file(), report
     everything = s3_server.objects("s3://stages")
     assert all(SECRET.encode() not in data for data in everything.values())
 
