@@ -171,6 +171,27 @@ def test_csd_train_killed_mid_checkpoint_in_s3_resumes_to_the_same_losses(work, 
     assert [json.loads(line)["loss"] for line in written["metrics.jsonl"].decode().splitlines()] == losses
 
 
+def in_process_failure(args, cwd) -> subprocess.CompletedProcess:
+    """`csd-pipeline ARGS` run in this process (no second torch import) that is expected to fail: its exit
+    code and output, as `subprocess.run` would give them."""
+    import contextlib
+    import io
+
+    from cli.main import main
+
+    before, out, err = os.getcwd(), io.StringIO(), io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main([str(a) for a in args])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def one_error_line(done, url: str) -> str:
     """The stderr of a failed command: one `error:` line that names `url` and never the secret."""
     lines = done.stderr.strip().splitlines()
@@ -203,6 +224,7 @@ def test_object_store_failures_are_one_error_line_naming_the_url(work, runs, s3_
     copy = location("s3://stages/deleted/aligned")
     copy.fs.copy(location(aligned).path, copy.path, recursive=True)
     copy.fs.rm_file((copy / "part-00000-00000.parquet").path)
-    deleted = one_error_line(cli(["teacher-logits", "--aligned", str(copy), "--teacher", work / "teacher", "--device",
-                                  "cpu", "--output", "s3://stages/deleted/topk", "--quiet"], work), str(copy))
+    deleted = one_error_line(in_process_failure(["teacher-logits", "--aligned", str(copy), "--teacher", work / "teacher",
+                                                 "--device", "cpu", "--output", "s3://stages/deleted/topk", "--quiet"],
+                                                work), str(copy))
     assert "part-00000-00000.parquet is missing" in deleted
