@@ -154,8 +154,12 @@ def test_kill_9_mid_stage_with_the_output_in_s3_resumes_to_the_same_bytes(work, 
     assert shards(s3_server.objects(f"{out}topk")) == shards(local_files(work / "local" / "topk"))
 
 
-def test_csd_train_killed_mid_checkpoint_in_s3_resumes_to_the_same_losses(work, runs, s3_server):
+def test_csd_train_killed_mid_checkpoint_in_s3_resumes_to_the_same_losses(work, runs, s3_server, monkeypatch):
+    from csd_pipeline.align.output import AlignedOutput
+    from csd_pipeline.runtime import storage
     from trainer.main import main as train
+
+    monkeypatch.setenv(storage.CACHE_ENV, "")  # restored after the test: --cache-dir below sets it
 
     args = ["--aligned", "s3://stages/run/aligned", "--teacher-logits", "s3://stages/run/topk", "--student-config",
             work / "student.json", *TRAIN_ARGS, "--output", "s3://stages/resumed"]
@@ -164,8 +168,15 @@ def test_csd_train_killed_mid_checkpoint_in_s3_resumes_to_the_same_losses(work, 
     written = s3_server.objects("s3://stages/resumed")
     assert "checkpoints/step-1/complete.json" in written and "checkpoints/step-2/.metadata" in written
     assert "checkpoints/step-2/complete.json" not in written  # DCP's files, no completion record: not a checkpoint
-    in_process(train, [*args, "--resume"], work)
+    in_process(train, [*args, "--resume", "--cache-dir", work / "cache"], work)
     written = s3_server.objects("s3://stages/resumed")
+    aligned = AlignedOutput.open("s3://stages/run/aligned")
+    cached = {p.stem for p in (work / "cache").rglob("*.parquet")}  # copies named by their manifest sha256
+    assert {s.sha256 for s in aligned.shards} <= cached
+    damaged = next((work / "cache").rglob(f"{aligned.shards[0].sha256}.parquet"))
+    damaged.write_bytes(b"not the shard")  # a changed copy is never used: it is fetched again
+    copy = storage.cached_copy(aligned.shard_path(aligned.shards[0]), aligned.shards[0].sha256, work / "cache")
+    assert copy.read_bytes() == s3_server.objects("s3://stages/run/aligned")[aligned.shards[0].file]
     assert "checkpoints/step-2/complete.json" in written
     losses = [json.loads(line)["loss"] for line in (work / "local/student/metrics.jsonl").read_text().splitlines()]
     assert [json.loads(line)["loss"] for line in written["metrics.jsonl"].decode().splitlines()] == losses
