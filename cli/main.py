@@ -52,12 +52,42 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, attr = target.split(":")
-        return getattr(importlib.import_module(module_name), attr)
+        return with_storage_options(getattr(importlib.import_module(module_name), attr))
 
     def format_commands(self, ctx, formatter):
         rows = [(name, HELP_LINES[name]) for name in SUBCOMMANDS]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
+
+
+def _configure_storage(ctx, param, value) -> None:
+    from csd_pipeline.runtime import storage
+
+    if value is None:
+        return
+    if param.name == "cache_dir":
+        storage.use_cache_dir(value)
+    else:
+        storage.configure(value)
+
+
+STORAGE_PARAMS = (
+    click.Option(["--storage-options"], metavar="JSON", expose_value=False, is_eager=True, callback=_configure_storage,
+                 help="fsspec options for s3:// / gs:// paths (e.g. '{\"endpoint_url\": \"http://host:9000\"}'); "
+                      "credentials otherwise come from the AWS_* / gcloud environment. Never written to an output."),
+    click.Option(["--cache-dir"], type=click.Path(file_okay=False), expose_value=False, is_eager=True,
+                 callback=_configure_storage, help="Keep local copies of the object-store shards read, checked by "
+                                                   "sha256 (default: stream them)."),
+)
+
+
+def with_storage_options(command):
+    """Give every command (each command of a group) `--storage-options` and `--cache-dir`, once."""
+    commands = command.commands.values() if isinstance(command, click.Group) else [command]
+    for each in commands:
+        if not any(p.name == "storage_options" for p in each.params):
+            each.params.extend(STORAGE_PARAMS)
+    return command
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,9 +118,17 @@ def run_cli(command, argv=None) -> None:
         sys.exit(130)
     except OSError as err:  # disk full, read-only output, ... that no stage turned into a CsdError
         from csd_pipeline.runtime.io_errors import io_error_message
+        from csd_pipeline.runtime.storage import describe_error
 
         rerun = "run the same command again (align and teacher-logits resume where they stopped)"
-        click.echo(f"error: {io_error_message(err, rerun)}", err=True)
+        click.echo(f"error: {describe_error(err) or io_error_message(err, rerun)}", err=True)
+        sys.exit(CsdError.exit_code)
+    except Exception as err:  # an object store's client error (botocore, aiohttp): one line naming the URL
+        from csd_pipeline.runtime.storage import describe_error
+
+        if describe_error(err) is None:
+            raise
+        click.echo(f"error: {describe_error(err)}", err=True)
         sys.exit(CsdError.exit_code)
 
 

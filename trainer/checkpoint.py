@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.files import atomic_write_text, replace_directory, strict_json
 from trainer import checkpoint_guard, distributed
 
@@ -47,7 +48,7 @@ class ResumeState:
 
 
 def checkpoint_root(output: str | os.PathLike) -> Path:
-    return Path(output) / "checkpoints"
+    return storage.location(output) / "checkpoints"
 
 
 def complete_checkpoints(output: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -96,10 +97,14 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
 
     root = checkpoint_root(output)
     final = root / f"step-{step}"
-    tmp = root / f"step-{step}.tmp"
+    remote = storage.is_remote(root)
+    # On an object store there is no folder rename: the files go straight into step-N/, and the
+    # checkpoint counts once complete.json, written last, exists (a step-N/ without it is removed).
+    tmp = final if remote else root / f"step-{step}.tmp"
     if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not remote:
+            root.mkdir(parents=True, exist_ok=True)
+        _remove_tree(tmp)  # a resumed run re-saving step N on an object store: the old step-N/ goes first
     distributed.barrier()
     failure = None
     try:
@@ -117,7 +122,13 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
         raise CsdError(_failure_message(final, failure, output))
     try:
         model_state, optim_state = get_state_dict(wrapper, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+        if remote:  # DCP's fsspec writer, straight into the object store
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            dcp.save({"model": model_state, "optim": optim_state},
+                     storage_writer=FsspecWriter(str(tmp), **tmp.storage_options))
+        else:
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
         _maybe_crash("checkpoint_written", step)
     except (Exception, CheckpointException) as err:  # CheckpointException (every rank) is a BaseException
         failure = err
@@ -130,7 +141,8 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
             _write_json(tmp / COMPLETE_FILE, {"version": CHECKPOINT_VERSION, "step": step, "world": ctx.world,
                                               checkpoint_guard.HASH_KEY: checkpoint_guard.metadata_sha256(tmp)})
             _maybe_crash("checkpoint_complete", step)
-            replace_directory(tmp, final)  # a resumed run re-saving a step: the new one replaces it
+            if not remote:
+                replace_directory(tmp, final)  # a resumed run re-saving a step: the new one replaces it
         except OSError as err:
             failure = err
     if distributed.agree_any(failure is not None, ctx.device):
@@ -138,9 +150,17 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
         raise CsdError(_failure_message(final, failure, output))
     if ctx.is_main:
         for _, old in complete_checkpoints(output)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_tree(old)
     distributed.barrier()
     return final
+
+
+def _remove_tree(folder) -> None:
+    """Remove a checkpoint folder (quietly when it is not there)."""
+    if not storage.is_remote(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+    elif folder.exists():
+        folder.fs.rm(folder.path, recursive=True)
 
 
 def _maybe_crash(point: str, step: int) -> None:
@@ -154,7 +174,7 @@ def _maybe_crash(point: str, step: int) -> None:
 def _discard(tmp: Path, ctx) -> None:
     distributed.barrier()
     if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_tree(tmp)
 
 
 def _failure_message(final: Path, failure, output) -> str:
@@ -162,7 +182,7 @@ def _failure_message(final: Path, failure, output) -> str:
     previous = complete_checkpoints(output)
     kept = f"the previous checkpoint {previous[-1][1].name} is intact" if previous else "no earlier checkpoint exists"
     try:  # DCP reports a full disk as e.g. "RuntimeError: unexpected pos": say how much space is left
-        free = f"; {shutil.disk_usage(final.parent).free >> 20} MiB free there"
+        free = "" if storage.is_remote(final) else f"; {shutil.disk_usage(final.parent).free >> 20} MiB free there"
     except OSError:
         free = ""
     return (f"writing checkpoint {final} failed ({reason}{free}); {kept}; free space or fix the output "
@@ -183,7 +203,7 @@ def load_checkpoint(output, wrapper, optimizer, ctx) -> ResumeState | None:
     choice = distributed.broadcast_json(str(found[-1][1]) if found else None, ctx.device)
     if choice is None:
         return None
-    path = Path(choice)
+    path = storage.location(choice)
     trainer = _read_record(path, "trainer.json")
     rank_file = f"ranks/rank-{ctx.rank:05d}.json"
     if trainer.get("world") != ctx.world or not (path / rank_file).is_file():
@@ -203,7 +223,7 @@ def load_checkpoint(output, wrapper, optimizer, ctx) -> ResumeState | None:
 
 def read_complete(path) -> dict:
     """The `complete.json` of checkpoint folder `path`. Raises `CsdError` when it is unreadable or not an object."""
-    return _read_record(Path(path), COMPLETE_FILE)
+    return _read_record(storage.location(path), COMPLETE_FILE)
 
 
 def _read_record(path: Path, name: str) -> dict:
@@ -218,10 +238,14 @@ def _read_record(path: Path, name: str) -> dict:
 
 
 def clean_partial(output, ctx) -> None:
-    """Remove `step-N.tmp/` folders left by a killed run (rank 0)."""
+    """Remove `step-N.tmp/` folders left by a killed run (rank 0); on an object store, the `step-N/`
+    folders without `complete.json`."""
     root = checkpoint_root(output)
     if ctx.is_main and root.is_dir():
+        remote = storage.is_remote(root)
         for entry in root.iterdir():
-            if entry.name.endswith(".tmp") and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
+            partial = (_STEP_DIR.match(entry.name) and not (entry / COMPLETE_FILE).is_file()) if remote else (
+                entry.name.endswith(".tmp"))
+            if partial and entry.is_dir():
+                _remove_tree(entry)
     distributed.barrier()

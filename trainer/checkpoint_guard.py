@@ -28,6 +28,7 @@ import torch
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import bytes_sha256, file_sha256
+from csd_pipeline.runtime.storage import is_remote, location
 
 METADATA_FILE = ".metadata"
 HASH_KEY = "metadata_sha256"
@@ -49,7 +50,7 @@ _DCP_CLASSES = {
 
 def metadata_sha256(folder) -> str:
     """sha256 (hex) of a checkpoint folder's `.metadata`."""
-    return file_sha256(Path(folder) / METADATA_FILE)
+    return file_sha256(location(folder) / METADATA_FILE)
 
 
 def _fix_hint(folder: Path) -> str:
@@ -82,7 +83,7 @@ def read_checked_metadata(folder, complete: dict):
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
-    folder = Path(folder)
+    folder = location(folder)
     path = folder / METADATA_FILE
     try:
         data = path.read_bytes()
@@ -122,7 +123,7 @@ def guarded_load(state: dict, folder, metadata) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    folder = Path(folder)
+    folder = location(folder)
     try:
         dcp.load(state, storage_reader=GuardedReader(folder, metadata), planner=GuardedPlanner())
     except CsdError:
@@ -146,14 +147,20 @@ def first_failure(err: BaseException) -> str:
 
 
 @functools.cache
-def _reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
+def _reader_class(remote: bool):
+    if remote:  # DCP's fsspec reader: the same reads, through fsspec
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as FileSystemReader
+    else:
+        from torch.distributed.checkpoint import FileSystemReader
 
     class GuardedReaderImpl(FileSystemReader):
         """A FileSystemReader that never unpickles `.metadata` itself: it returns the checked one."""
 
         def __init__(self, path, metadata):
-            super().__init__(path)
+            if remote:
+                super().__init__(str(path), **path.storage_options)
+            else:
+                super().__init__(path)
             self._checked = metadata
 
         def read_metadata(self, *args, **kwargs):
@@ -188,7 +195,7 @@ def _planner_class():
 
 
 def GuardedReader(path, metadata):  # noqa: N802 (a class factory: DCP is imported only when a checkpoint is read)
-    return _reader_class()(path, metadata)
+    return _reader_class(is_remote(path))(path, metadata)
 
 
 def GuardedPlanner():  # noqa: N802

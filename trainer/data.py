@@ -11,7 +11,6 @@ rank's stream of micro-batches (`trainer/loader.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from csd_pipeline.align.output import ALIGN_RERUN, AlignedOutput
 from csd_pipeline.errors import CsdError
@@ -124,7 +123,7 @@ def _open_teachers(config, aligned: AlignedOutput, loss) -> list[TeacherSource]:
     """The active teachers of `--teacher-logits` / `--kd-teachers`, each checked against the aligned data."""
     by_index: dict[int, TeacherTopkOutput] = {}
     for directory in config.data.teacher_logits:
-        output = TeacherTopkOutput.open(Path(directory))
+        output = TeacherTopkOutput.open(directory)
         output.verify()  # its own consistency first: then a mismatch below is between the stages
         output.check_pairs_with(aligned)
         index = output.teacher_index

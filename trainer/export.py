@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.files import replace_directory, tmp_path
 
 # The files of a tokenizer (and of a processor) that transformers reads, whichever the student has.
@@ -97,9 +98,13 @@ def export_hf(wrapper, tokenizer_source: str, output_dir: str | os.PathLike, ctx
     if ctx.is_main:
         # buffers (rotary tables, ...) are replicated on every rank, and non-persistent ones are in no state dict
         buffers = {name: b.detach().to("cpu", copy=True) for name, b in wrapper.model.named_buffers()}
+        target = storage.location(output_dir)
+        local = storage.staging_path(target) if storage.is_remote(target) else target  # built and checked here
         try:
-            _write_and_check(wrapper.model.config, state, buffers, tokenizer_source, Path(output_dir), sample=sample,
+            _write_and_check(wrapper.model.config, state, buffers, tokenizer_source, local, sample=sample,
                              student_folder=student_folder, fingerprint=fingerprint)
+            if local is not target:
+                storage.upload_folder(local, target, last="config.json")
         except CsdError as err:  # every rank must hear of it before the next collective
             failure = err
     if distributed.agree_any(failure is not None, ctx.device):

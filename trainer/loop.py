@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.executor import check_output_dir
 from schemas.aligned import SHAPES
 from trainer import checkpoint, distributed
@@ -56,7 +57,7 @@ def build_optimizer(wrapper, config: OptimizerConfig):
 
 def _prepare_output(config: TrainConfig, ctx) -> None:
     # every rank checks (same files, same verdict: no rank waits on one that gave up), then rank 0 writes
-    out = Path(config.checkpoints.output)
+    out = storage.location(config.checkpoints.output)
     saved = out / RESOLVED_CONFIG
     resume = config.checkpoints.resume
     if out.exists() and not out.is_dir():
@@ -67,11 +68,12 @@ def _prepare_output(config: TrainConfig, ctx) -> None:
     if resume and saved.is_file():
         from trainer.options import load_yaml
 
-        check_resume_compatible(config, load_yaml(str(saved)), str(out))
+        check_resume_compatible(config, load_yaml(str(storage.local_file(saved))), str(out))
     check_output_dir(out)  # every rank: the same verdict (writable?), before any rank waits on another
     distributed.barrier()
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
+        if not storage.is_remote(out):
+            out.mkdir(parents=True, exist_ok=True)
         write_resolved(config, str(saved))
     distributed.barrier()
 
@@ -138,12 +140,13 @@ def _train(config: TrainConfig, ctx) -> dict:
             if evaluation.eval_aligned and evaluation.eval_every and step % evaluation.eval_every == 0:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
                 evaluated_at = step
-            _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1], data)
+            if _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1], data):
+                metrics.sync()  # an object-store output gets the metrics files with each checkpoint
         if step == steps:
             if config.evaluation.eval_aligned and evaluated_at != step:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
             sample = micro[-1] if last else next(loader)  # a real batch for the export's check
-            export(wrapper, config, ctx, data, Path(output) / EXPORT_DIR, sample)
+            export(wrapper, config, ctx, data, storage.location(output) / EXPORT_DIR, sample)
     finally:
         metrics.close()
         loader.close()
@@ -166,17 +169,20 @@ def _resume(config: TrainConfig, ctx, wrapper, optimizer, scheduler) -> tuple[in
 
 
 def _save(config: TrainConfig, ctx, step: int, final: bool, wrapper, optimizer, scheduler, counters: dict,
-          batch, data) -> None:
+          batch, data) -> bool:
     """The checkpoint (every `--save-every` steps and at the last step of this process) and `--export-every` export
-    (`batch`: the step's last micro-batch, its loader state and the export check's real batch)."""
+    (`batch`: the step's last micro-batch, its loader state and the export check's real batch). True when a
+    checkpoint was written."""
     options = config.checkpoints
-    if (options.save_every and step % options.save_every == 0) or final:
+    saved = bool((options.save_every and step % options.save_every == 0) or final)
+    if saved:
         checkpoint.save_checkpoint(
             options.output, step, wrapper, optimizer, {"scheduler": scheduler.state_dict(), "counters": counters},
             batch.state, ctx, options.keep_last,
         )
     if options.export_every and step % options.export_every == 0 and step != config.optimizer.steps:
-        export(wrapper, config, ctx, data, Path(options.output) / f"{EXPORT_DIR}-step-{step}", batch)
+        export(wrapper, config, ctx, data, storage.location(options.output) / f"{EXPORT_DIR}-step-{step}", batch)
+    return saved
 
 
 def export(wrapper, config: TrainConfig, ctx, data, folder: Path, sample) -> None:

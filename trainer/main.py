@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout = None
         return
     try:
-        config = parse_args(argv)
+        from csd_pipeline.runtime import storage
+
+        config = parse_args(storage.take_storage_flags(argv))
         from trainer.loop import train
 
         summary = train(config)
@@ -35,8 +37,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except OSError as err:  # disk full, read-only output, ... outside the checkpoint writer's own handling
         from csd_pipeline.runtime.io_errors import io_error_message
+        from csd_pipeline.runtime.storage import describe_error
 
-        print(f"error: {io_error_message(err, 're-run the same command with --resume')}", file=sys.stderr)
+        message = describe_error(err) or io_error_message(err, "re-run the same command with --resume")
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(CsdError.exit_code)
+    except Exception as err:  # an object store's client error (botocore, aiohttp): one line naming the URL
+        from csd_pipeline.runtime.storage import describe_error
+
+        if describe_error(err) is None:
+            raise
+        print(f"error: {describe_error(err)}", file=sys.stderr)
         sys.exit(CsdError.exit_code)
     last = summary.get("last") or {}
     if last:

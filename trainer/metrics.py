@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.files import atomic_write_text
 from schemas.training_run import EVAL_FILE, METRICS_FILE
 
@@ -48,12 +49,22 @@ class MetricsLogger:
     def __init__(self, output: str | os.PathLike, is_main: bool, total_steps: int, start_step: int,
                  progress: bool = True, report_to: tuple[str, ...] = ("jsonl",), config: dict | None = None):
         self.is_main = is_main
-        self.path = Path(output) / METRICS_FILE
-        self.eval_path = Path(output) / EVAL_FILE
+        # An object store cannot append: the files are kept in a local staging folder, and `sync`
+        # uploads them whole (at each checkpoint and at the end).
+        self.output = storage.location(output)
+        folder = storage.staging_path(self.output / METRICS_FILE).parent if storage.is_remote(self.output) else (
+            self.output)
+        self.path = folder / METRICS_FILE
+        self.eval_path = folder / EVAL_FILE
         self._bar = None
         self._trackers: list = []
         if not is_main:
             return
+        if storage.is_remote(self.output):
+            for name in (METRICS_FILE, EVAL_FILE):
+                self.path.parent.joinpath(name).unlink(missing_ok=True)
+                if (self.output / name).is_file():
+                    self.output.fs.get_file((self.output / name).path, str(folder / name))
         truncate_jsonl(self.path, start_step)
         truncate_jsonl(self.eval_path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
@@ -114,9 +125,19 @@ class MetricsLogger:
         else:
             print(text, file=sys.stderr)
 
+    def sync(self) -> None:
+        """Upload the metrics files to an object-store output (nothing to do on a local disk)."""
+        if not self.is_main or not storage.is_remote(self.output):
+            return
+        self._file.flush()
+        for path in (self.path, self.eval_path):
+            if path.is_file():
+                storage.write_object(self.output / path.name, path.read_bytes())
+
     def close(self) -> None:
         if not self.is_main:
             return
+        self.sync()
         self._file.close()
         if self._bar is not None:
             self._bar.close()

@@ -182,4 +182,8 @@ def help_text() -> str:
             lines.append(f" {section if section else 'run'}:")
         lines.append(f"  --{flag(option.name):22s} {option.field.metadata.get('help', '')} "
                      f"[default: {option.default}]")
+    lines += [" object storage (never saved with the run; see docs/SCALE.md):",
+              f"  --{'storage-options JSON':22s} fsspec options for s3:// / gs:// paths (credentials otherwise from "
+              "the AWS_* / gcloud environment)",
+              f"  --{'cache-dir DIR':22s} keep sha256-checked local copies of the object-store shards read"]
     return "\n".join(lines)

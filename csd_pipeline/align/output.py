@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import SCHEMA_VERSION, STAGE, teacher_columns
 
 ALIGN_RERUN = "csd-pipeline align"
@@ -64,7 +65,7 @@ class AlignedOutput:
     """A complete aligned output: `directory` and its checked `manifest` (a plain dict)."""
 
     def __init__(self, directory, manifest: dict):
-        self.directory = Path(directory)
+        self.directory = location(directory)
         self.manifest = manifest
         self._check_keys()
         self.shards = [AlignedShard(s["name"], s["file"], int(s["rows"]), int(s["bytes"]), s["sha256"])

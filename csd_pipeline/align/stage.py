@@ -22,6 +22,7 @@ from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.align.shard_writer import AlignShardWriter, AlignTokenizers
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.executor import ShardTask, Stage, run_configured, shard_name
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import SCHEMA_VERSION, STAGE
 
 TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")
@@ -50,7 +51,7 @@ class AlignStage(Stage):
         from csd_pipeline.align.corpus import discover
 
         self.config = config
-        self.output_dir = Path(config.output)
+        self.output_dir = location(config.output)
         self.files = discover(config.corpus, config.split)
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise CsdError(f"--output {self.output_dir} is a file; pass a directory.")

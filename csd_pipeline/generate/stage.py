@@ -34,6 +34,7 @@ from csd_pipeline.runtime.executor import (
     run_configured,
     shard_name,
 )
+from csd_pipeline.runtime.storage import location
 
 STAGE = "generate"
 SCHEMA_VERSION = 1
@@ -59,7 +60,7 @@ class GenerateStage(Stage):
         from csd_pipeline.runtime.model_loading import model_fingerprint, resolve_device, resolve_model_source
 
         self.config = config
-        self.output_dir = Path(config.output)
+        self.output_dir = location(config.output)
         check_output_dir(self.output_dir)
         self.files = discover(config.corpus)
         path, gguf = resolve_model_source(config.model, trust_remote_code=config.trust_remote_code)

@@ -20,6 +20,7 @@ import numpy as np
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.report import TEACHER_ROWS
+from csd_pipeline.runtime.storage import location
 from schemas.aligned import SHAPES
 
 
@@ -67,9 +68,9 @@ def matching_aligned(teacher, candidates: list) -> Path:
     wanted = (teacher.manifest.get("aligned") or {}).get("manifest_sha256")
     recorded = (teacher.manifest.get("sources") or {}).get("aligned")
     for folder in [*candidates, *([recorded] if recorded else [])]:
-        path = Path(folder) / MANIFEST_NAME
+        path = location(folder) / MANIFEST_NAME
         if path.is_file() and file_sha256(path) == wanted:
-            return Path(folder)
+            return location(folder)
     raise CsdError(f"the aligned folder this teacher output was computed from ({recorded or 'not recorded'}) is "
                    "missing or has changed; pass that aligned folder to the report too.")
 

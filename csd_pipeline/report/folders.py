@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import is_remote, location
 from schemas.aligned import STAGE as ALIGN_STAGE
 from schemas.teacher_topk import STAGE as TEACHER_STAGE
 
@@ -63,7 +64,7 @@ def recognise(directory) -> Folder:
     from csd_pipeline.teacher.reader import TeacherTopkOutput
     from schemas.training_run import METRICS_FILE
 
-    path = Path(directory)
+    path = location(directory)
     if not path.is_dir():
         raise CsdError(f"{path} is not a folder; pass output folders of align, teacher-logits or csd-train.")
     if (path / MANIFEST_NAME).is_file():
@@ -116,6 +117,7 @@ def read_run(folder: Folder, label: str) -> TrainingRun:
 
 def labels(folders: list[Folder]) -> list[str]:
     """Short, distinct names for the folders: the folder name, with its parent's when two share it."""
-    paths = [Path(os.path.abspath(f.path)) for f in folders]  # not resolve(): a link keeps the name it was given
+    # not resolve(): a link keeps the name it was given; an object-store URL is already absolute
+    paths = [f.path if is_remote(f.path) else Path(os.path.abspath(f.path)) for f in folders]
     names = [p.name for p in paths]
     return [f"{p.parent.name}/{n}" if names.count(n) > 1 else n for p, n in zip(paths, names)]

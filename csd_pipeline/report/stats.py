@@ -73,7 +73,10 @@ def aligned_tables(aligned: AlignedOutput) -> AlignedTables:
         return tables
     aligned.verify()
     pl = _polars()
-    scan = pl.scan_parquet([str(aligned.shard_path(shard)) for shard in aligned.shards])
+    from csd_pipeline.runtime.storage import is_remote, open_input
+
+    shards = [aligned.shard_path(shard) for shard in aligned.shards]  # objects are streamed through fsspec
+    scan = pl.scan_parquet([open_input(p) if is_remote(p) else str(p) for p in shards])
     chat = aligned.mode == "chat"
     windows = _collect(_windows_query(pl, scan, aligned, chat))
     documents = _collect(_documents_query(pl, scan))

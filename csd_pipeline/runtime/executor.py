@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime import progress
+from csd_pipeline.runtime import progress, storage
 from csd_pipeline.runtime.files import atomic_write_json, commit, file_sha256, remove_tmp_files, tmp_path
 from csd_pipeline.runtime.io_errors import discard, reason_and_advice
 from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
@@ -199,6 +199,9 @@ class RunReport:
 
 def check_output_dir(out: Path) -> None:
     """Create the output directory `out`; raise `CsdError` when it is a file or cannot be written."""
+    if storage.is_remote(out):
+        storage.check_writable(out)
+        return
     if out.exists() and not out.is_dir():
         raise CsdError(f"--output {out} is a file; pass a directory.")
     try:
@@ -232,7 +235,7 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
     placement = placement or Placement.resolve()
     rank, world_size = placement.rank, placement.world_size
     log = log or (lambda message: None)
-    out = Path(stage.output_dir)
+    out = storage.location(stage.output_dir)
     identity = stage.identity(world_size)
     check_identity(out, stage.name, identity)  # before anything is written into the directory
     check_output_dir(out)
@@ -254,8 +257,11 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
     skipped = [t.name for t in mine if t not in pending]
     if skipped:
         log(f"rank {rank}: {len(skipped)} of {len(mine)} shards already complete, resuming.")
-    remove_tmp_files(out, [f"{t.name}{stage.suffix}" for t in pending])
-    remove_dead_writers_tmp(out)  # markers, stats, run.json, manifest of killed writers on this host
+    if storage.is_remote(out):  # an object store holds no temporary objects: only this host's staging files
+        storage.remove_staged([f"{t.name}{stage.suffix}" for t in pending], out)
+    else:
+        remove_tmp_files(out, [f"{t.name}{stage.suffix}" for t in pending])
+        remove_dead_writers_tmp(out)  # markers, stats, run.json, manifest of killed writers on this host
     workers = max(1, min(placement.workers, len(pending)))
     with progress.StageProgress(stage.name, pending, stage.work, stage.work_unit, rank) as tracker:
         log = tracker.wrap_log(log)
@@ -293,7 +299,7 @@ def _write_shard(writer, task: ShardTask, out: Path, suffix: str) -> dict:
     global _shards_started
     _shards_started += 1
     final = out / f"{task.name}{suffix}"
-    tmp = tmp_path(final)
+    tmp = storage.staging_path(final)  # next to `final` on a disk; a local staging file for an object
     try:
         result = writer(task, tmp)
         _maybe_crash("before_rename")

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from csd_pipeline.runtime import storage
+
 HASH_BLOCK = 1 << 20
 
 
@@ -30,7 +32,11 @@ def tmp_path(path) -> Path:
 
 
 def commit(tmp, path) -> None:
-    """Flush the finished file `tmp` to disk and rename it to `path` (replacing what was there)."""
+    """Flush the finished file `tmp` to disk and rename it to `path` (replacing what was there); for an
+    object-store `path`, upload it whole instead (runtime/storage.py)."""
+    if storage.is_remote(path):
+        storage.upload(Path(tmp), path)
+        return
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
@@ -43,19 +49,24 @@ def atomic_path(path) -> Iterator[Path]:
     The folder of `path` is created. If the block raises, the temporary file is removed and `path`
     is left as it was.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_path(path)
+    path = storage.location(path)
+    if not storage.is_remote(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = storage.staging_path(path)
     try:
         yield tmp
         commit(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 
 def atomic_write_bytes(path, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
+    """Write `data` to `path` atomically (an object: in one request)."""
+    path = storage.location(path)
+    if storage.is_remote(path):
+        storage.write_object(path, data)
+        return
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
 
@@ -105,8 +116,8 @@ def atomic_write_json(path, obj) -> None:
 
 def atomic_copy(source, target) -> None:
     """Copy the file `source` to `target` atomically."""
-    with atomic_path(target) as tmp:
-        shutil.copyfile(source, tmp)
+    with atomic_path(target) as tmp, storage.open_input(source) as reader, open(tmp, "wb") as writer:
+        shutil.copyfileobj(reader, writer)
 
 
 def replace_directory(built, final) -> None:
@@ -135,7 +146,7 @@ def remove_tmp_files(directory, names) -> None:
 def file_sha256(path) -> str:
     """sha256 of a file's bytes, as hex (read in 1 MiB blocks)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with storage.open_input(path) as handle:
         for block in iter(lambda: handle.read(HASH_BLOCK), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import bytes_sha256, file_sha256
+from csd_pipeline.runtime.storage import location, parquet_source, readable
 
 PAGE_CHECKSUM_KEY = b"csd.page_checksum"
 PAGE_CHECKSUM_VALUE = b"crc32"
@@ -40,7 +41,7 @@ def has_page_checksums(parquet_file) -> bool:
 
 def rewrite_hint(path, stage: str) -> str:
     """What to do about one damaged shard: drop it and its marker, re-run the stage (same bytes come back)."""
-    path = Path(path)
+    path = location(path)
     command = STAGE_COMMANDS.get(stage, stage)
     return (f"delete it and {path.parent / 'done' / (path.stem + '.done')}, then re-run the same `{command}` "
             "command (it rewrites that shard with the same bytes)")
@@ -59,9 +60,9 @@ def open_verified(path, sha256: str | None, stage: str = "align"):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = Path(path)
+    path = location(path)
     try:
-        data = path.read_bytes()
+        data = readable(path, sha256).read_bytes()
     except OSError as err:
         raise CsdError(f"cannot read shard {path} ({err.strerror or err}); check the file, "
                        f"or {rewrite_hint(path, stage)}") from None
@@ -119,9 +120,9 @@ def check_shard_rows(manifest: dict, directory) -> list[str]:
 
     problems = []
     for shard in manifest.get("shards") or []:
-        path = Path(directory) / shard["file"]
+        path = location(directory) / shard["file"]
         try:
-            rows = pq.read_metadata(str(path)).num_rows
+            rows = pq.read_metadata(parquet_source(path)).num_rows
         except (OSError, ValueError) as err:
             problems.append(f"shard {shard['file']} is unreadable ({str(err).splitlines()[0] if str(err) else err})")
             continue
@@ -141,7 +142,7 @@ def check_table_fingerprints(manifest: dict, directory, teacher: int) -> tuple[P
     from csd_pipeline.runtime.safe_paths import path_inside
     from csd_pipeline.vocab.tables import read_table_fingerprints
 
-    directory = Path(directory)
+    directory = location(directory)
     rerun = f"re-run `csd-pipeline align` into a new --output (or restore {directory}/tables)"
     tables = manifest.get("tables")
     entries = [t for t in tables if isinstance(t, dict) and t.get("teacher") == teacher] if isinstance(tables, list) else []

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from csd_pipeline.errors import ManifestError
 from csd_pipeline.runtime.files import strict_json
+from csd_pipeline.runtime.storage import location
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -47,7 +48,7 @@ def read_manifest(directory, *, stage: str | None = None, schema_versions=None) 
     the stage to re-run) when the directory or manifest is missing, unreadable, from another stage
     or of an unknown version, and `CsdError` when a file it names lies outside the directory.
     """
-    directory = Path(directory)
+    directory = location(directory)
     path = directory / MANIFEST_NAME
     if not directory.is_dir():
         raise ManifestError(f"{directory} is not a directory; pass the output directory of {_rerun_hint(stage)[7:]}.")
@@ -116,7 +117,7 @@ def _check_shape(manifest: dict, path: Path) -> None:
 
 def shard_paths(manifest: dict, directory) -> list[Path]:
     """The shard files listed by `manifest`, in shard order, as paths inside `directory`."""
-    directory = Path(directory)
+    directory = location(directory)
     return [directory / shard["file"] for shard in manifest["shards"]]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import atomic_write_bytes, atomic_write_json, json_bytes, strict_json
 from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
+from csd_pipeline.runtime.storage import location
 
 RUN_NAME = "run.json"
 RUN_VERSION = 1
@@ -62,7 +63,7 @@ def _differing_keys(a: dict, b: dict, prefix: str = "") -> list[str]:
 def check_identity(directory, stage: str, identity: dict) -> None:
     """Raise `CsdError` when `directory` holds the output (manifest) or the run record of another run:
     a different stage, or identity values (config, inputs, fingerprints) that differ from `identity`."""
-    out = Path(directory)
+    out = location(directory)
     for path, kind in ((out / MANIFEST_NAME, "manifest"), (out / RUN_NAME, "run")):
         if not path.is_file():
             continue
@@ -83,7 +84,7 @@ def check_identity(directory, stage: str, identity: dict) -> None:
 
 def read_run_record(directory) -> dict:
     """Read `DIR/run.json`. Raises `CsdError` when the directory holds no run."""
-    path = Path(directory) / RUN_NAME
+    path = location(directory) / RUN_NAME
     if not path.is_file():
         raise CsdError(f"{directory} holds no stage run ({RUN_NAME} is missing); check the path or start the stage.")
     try:
@@ -101,7 +102,7 @@ def read_run_record(directory) -> dict:
 
 def recorded_tasks(directory) -> list[dict] | None:
     """The task list (JSON) of the run recorded in `directory`, or None when none is recorded."""
-    if not (Path(directory) / RUN_NAME).is_file():
+    if not (location(directory) / RUN_NAME).is_file():
         return None
     return read_run_record(directory)["tasks"]
 
@@ -111,7 +112,7 @@ def record_run(directory, record: dict) -> None:
 
     Raises `CsdError` when the recorded run came from another version or setting of the stage.
     """
-    out = Path(directory)
+    out = location(directory)
     if not (out / RUN_NAME).is_file():
         atomic_write_json(out / RUN_NAME, record)
         return
@@ -130,7 +131,7 @@ def record_run(directory, record: dict) -> None:
 
 def marker_path(directory, name: str) -> Path:
     """Where the completion marker of shard `name` lives."""
-    return Path(directory) / "done" / f"{name}.done"
+    return location(directory) / "done" / f"{name}.done"
 
 
 def read_marker(directory, name: str, suffix: str) -> dict | None:
@@ -144,7 +145,7 @@ def read_marker(directory, name: str, suffix: str) -> dict | None:
         return None
     if not _well_formed_marker(marker, name, suffix):
         return None  # a damaged record: the shard is written again, as if it had none
-    shard = Path(directory) / f"{name}{suffix}"
+    shard = location(directory) / f"{name}{suffix}"
     if not shard.is_file() or shard.stat().st_size != marker.get("bytes"):
         return None
     return marker
@@ -188,7 +189,7 @@ def write_rank_stats(directory, record: dict, rank: int, world_size: int) -> Non
     stats: dict = {}
     for marker in markers:
         merge_stats(stats, marker["stats"])
-    atomic_write_json(Path(directory) / "stats" / f"rank-{rank:05d}.json", {
+    atomic_write_json(location(directory) / "stats" / f"rank-{rank:05d}.json", {
         "rank": rank,
         "world_size": world_size,
         "shards": [m["name"] for m in markers],
@@ -208,7 +209,7 @@ def stage_status(directory) -> dict:
     Returns {"stage", "complete" (manifest present), "shards_total", "shards_done", "missing"
     (names), "tasks": [{"name", "done", "rows"}]}. Raises `CsdError` when `directory` holds no run.
     """
-    out = Path(directory)
+    out = location(directory)
     record = read_run_record(out)
     tasks = []
     for task in record["tasks"]:
@@ -255,7 +256,7 @@ def finalize(directory, log=None) -> dict | None:
     Safe to call from several ranks at once: they write the same bytes through atomic renames.
     """
     log = log or (lambda message: None)
-    out = Path(directory)
+    out = location(directory)
     record = read_run_record(out)
     markers = [read_marker(out, t["name"], record["suffix"]) for t in record["tasks"]]
     missing = [t["name"] for t, m in zip(record["tasks"], markers, strict=True) if m is None]

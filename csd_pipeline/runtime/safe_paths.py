@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import is_remote, location
 
 
 def path_inside(folder, relative, what: str, hint: str) -> Path:
@@ -22,12 +23,16 @@ def path_inside(folder, relative, what: str, hint: str) -> Path:
     Raises `CsdError` (one line) for a name that is not a non-empty string, is absolute, or
     resolves outside `folder`.
     """
-    folder = Path(folder)
+    folder = location(folder)
     if not isinstance(relative, str) or not relative or "\0" in relative:
         raise CsdError(f"{what} {relative!r}, which is not a file name inside {folder}; refused: {hint}")
     if os.path.isabs(relative) or Path(relative).is_absolute():
         raise CsdError(f"{what} {relative!r}, an absolute path, not a name inside {folder}; refused: {hint}")
     joined = folder / relative
+    if is_remote(folder):  # an object store has no symlinks: a plain name without `..` stays inside
+        if ".." in Path(relative).parts:
+            raise CsdError(f"{what} {relative!r}, which leads outside {folder}; refused: {hint}")
+        return joined
     root = folder.resolve()
     target = joined.resolve()
     if target != root and root not in target.parents:
@@ -37,7 +42,7 @@ def path_inside(folder, relative, what: str, hint: str) -> Path:
 
 def check_manifest_paths(manifest: dict, directory, hint: str) -> None:
     """Check every file a stage manifest names (shards, tables) with `path_inside`; raises `CsdError`."""
-    directory = Path(directory)
+    directory = location(directory)
     for shard in manifest.get("shards") or []:
         file = shard.get("file") if isinstance(shard, dict) else None
         path_inside(directory, file, f"the manifest of {directory} names a shard file", hint)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
+from csd_pipeline.runtime.storage import location
 from csd_pipeline.teacher.row import (
     TeacherTopkRow,  # the one type of a teacher row; readers import it from here too
 )
@@ -50,9 +51,9 @@ class TeacherShard(Sequence):
         from csd_pipeline.runtime.integrity import verify_unmarked
         from csd_pipeline.teacher.codec import ENCODINGS
 
-        self.path = Path(path)
+        self.path = location(path)
         try:
-            self._file = pq.ParquetFile(str(self.path), page_checksum_verification=True)
+            self._file = pq.ParquetFile(storage.parquet_source(storage.readable(self.path, sha256)), page_checksum_verification=True)
         except (OSError, ValueError, pa.ArrowException) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise CsdError(f"teacher shard {self.path} is missing or unreadable ({reason}); re-run teacher-logits.") from None
@@ -175,7 +176,7 @@ class TeacherTopkOutput:
     """
 
     def __init__(self, directory, manifest: dict):
-        self.directory = Path(directory)
+        self.directory = location(directory)
         self.manifest = manifest
         self._check_config()
         self.shard_files = [shard["file"] for shard in manifest["shards"]]
@@ -282,7 +283,7 @@ class TeacherTopkOutput:
 def read_teacher_shard(directory, shard_file, cache_bytes: int = 0, sha256: str | None = None) -> TeacherShard:
     """One shard of a teacher-logits output (`shard_file` as listed in its manifest), as a `TeacherShard`
     keeping up to `cache_bytes` of decoded blocks (`sha256`: its manifest's, checked if it has no page checksums)."""
-    return TeacherShard(Path(directory) / shard_file, cache_bytes, sha256)
+    return TeacherShard(location(directory) / shard_file, cache_bytes, sha256)
 
 
 def read_teacher_topk(directory) -> Iterator[TeacherTopkRow]:

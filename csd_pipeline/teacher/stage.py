@@ -26,6 +26,7 @@ from pathlib import Path
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.executor import ShardTask, Stage, check_output_dir, run_configured
+from csd_pipeline.runtime.storage import location
 from csd_pipeline.teacher.config import TeacherLogitsConfig
 from csd_pipeline.teacher.shard_writer import TeacherShardWriter, deterministic_torch
 from schemas.teacher_topk import SCHEMA_VERSION, STAGE
@@ -58,7 +59,7 @@ class TeacherLogitsStage(Stage):
         self.config = config
         self.aligned = AlignedOutput.open(config.aligned)
         self.tokenizer = self.aligned.teacher_tokenizer(config.teacher_index)
-        self.output_dir = Path(config.output)
+        self.output_dir = location(config.output)
         check_output_dir(self.output_dir)  # before the teacher is loaded, which may take minutes
         self.device = resolve_device(config.device)
         self.dtype = str(resolve_dtype(config.dtype, self.device)).replace("torch.", "")

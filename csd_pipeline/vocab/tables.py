@@ -26,6 +26,7 @@ import numpy as np
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.files import atomic_path, bytes_sha256
+from csd_pipeline.runtime.storage import is_remote, local_file, location
 from csd_pipeline.vocab.config import TableCheckConfig
 from csd_pipeline.vocab.prefix_entries import prefix_entries, spelling_arrays
 from csd_pipeline.vocab.vocabulary import TokenizerBundle, Vocabulary
@@ -108,8 +109,8 @@ class SubtokenTable:
         """Write the table as safetensors, atomically (`*.tmp`, then rename)."""
         from safetensors.numpy import save_file
 
-        path = Path(path)
-        if path.parent and not path.parent.exists():
+        path = location(path)
+        if not is_remote(path) and path.parent and not path.parent.exists():
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:
@@ -182,12 +183,12 @@ def load_table(path: str | os.PathLike) -> SubtokenTable:
     """Read a table written by `SubtokenTable.save`; raise CsdError if missing, foreign or corrupted."""
     from safetensors import safe_open
 
-    path = Path(path)
+    path = location(path)
     if not path.is_file():
         raise CsdError(f"table {path}: no such file; build it with `csd-pipeline tables build` (or `make tables`)")
     try:
         tensors = {}
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(str(local_file(path)), framework="numpy") as f:
             meta_text = (f.metadata() or {}).get(_META_KEY)
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
@@ -382,7 +383,7 @@ def read_table_fingerprints(path: str | os.PathLike) -> tuple[str, str]:
     from safetensors import safe_open
 
     try:
-        with safe_open(str(path), framework="numpy") as handle:
+        with safe_open(str(local_file(path)), framework="numpy") as handle:
             meta = json.loads((handle.metadata() or {})[_META_KEY])
         return meta["source"]["fingerprint"], meta["destination"]["fingerprint"]
     except Exception:

@@ -41,6 +41,7 @@ from csd_pipeline.align.corpus.documents import (
 )
 from csd_pipeline.align.corpus.files import lines, scanned_documents, txt_blocks
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import open_input
 
 SUFFIXES = {".zst": "zst", ".gz": "gz"}
 RECORD_SUFFIXES = (".txt", ".jsonl", ".json")
@@ -68,7 +69,7 @@ class FrameStream(io.RawIOBase):
     def __init__(self, file: CorpusFile, offset: int = 0, track: bool = False):
         super().__init__()
         self._compression = file.compression
-        self._raw = open(file.path, "rb")
+        self._raw = open_input(file.path)
         self._raw.seek(offset)
         self._pending, self._pending_at = b"", offset  # compressed bytes not fed yet, and their offset
         self._decoder = None

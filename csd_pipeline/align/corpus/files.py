@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 from csd_pipeline.align.corpus.documents import (
     BOM,
@@ -25,6 +24,7 @@ from csd_pipeline.align.corpus.documents import (
     text_document,
 )
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import location, open_input, parquet_source
 
 READ_BLOCK = 8 << 20
 _BLANK_RUN = re.compile(rb"\n[ \t\r\f\v]*\n(?:[ \t\r\f\v]*\n)*")
@@ -109,18 +109,18 @@ def scanned_documents(records, source: str, first: int, count: int, fmt: str, op
 def record_sizes(file: CorpusFile, options: ReadOptions) -> Iterator[tuple[int, int]]:
     """(byte offset, size) of each record of `file`, in order; offset -1 where there is no seek offset."""
     if file.format == "jsonl":
-        with open(file.path, "rb") as handle:
+        with open_input(file.path) as handle:
             for offset, line in lines(handle, 0):
                 yield offset, len(line)
     elif file.format == "txt":
         if not options.split_on_blank_lines:
             yield 0, file.size
             return
-        with open(file.path, "rb") as handle:
+        with open_input(file.path) as handle:
             for offset, block in txt_blocks(handle, 0):
                 yield offset, len(block)
     elif file.format == "json":
-        for record in json_records(Path(file.path).read_bytes()):
+        for record in json_records(location(file.path).read_bytes()):
             yield -1, len(record) if isinstance(record, bytes) else record_size(record, options)
     else:
         for count, size in _parquet_row_groups(file):
@@ -132,15 +132,15 @@ def read_segment(file: CorpusFile, segment: dict, options: ReadOptions) -> Itera
     """Yield the documents of one segment of a plain file, in record order, rejected ones included."""
     first, count = segment["first"], segment["count"]
     if file.format == "jsonl" or (file.format == "txt" and options.split_on_blank_lines):
-        with open(file.path, "rb") as handle:
+        with open_input(file.path) as handle:
             handle.seek(segment["offset"])
             records = lines(handle, segment["offset"]) if file.format == "jsonl" else txt_blocks(handle, segment["offset"])
             yield from scanned_documents(records, file.source, first, count, file.format, options, True)
     elif file.format == "txt":
-        raw = Path(file.path).read_bytes()
+        raw = location(file.path).read_bytes()
         yield text_document(file.source, 0, raw[len(BOM):] if raw.startswith(BOM) else raw)
     elif file.format == "json":
-        for i, record in enumerate(json_records(Path(file.path).read_bytes())):
+        for i, record in enumerate(json_records(location(file.path).read_bytes())):
             if first <= i < first + count:
                 if isinstance(record, bytes):
                     yield jsonl_document(file.source, i, record, options)
@@ -174,7 +174,7 @@ def _parquet_file(file: CorpusFile):
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(file.path)
+        return pq.ParquetFile(parquet_source(file.path))
     except Exception as err:  # pyarrow raises ArrowInvalid/OSError on a damaged file
         raise CsdError(f"corpus file {file.source} is not a readable Parquet file ({err}); fix or remove it.") from None
 

@@ -11,6 +11,7 @@ from stat import S_ISREG
 from csd_pipeline.align.corpus import compressed, files, hf
 from csd_pipeline.align.corpus.documents import CorpusFile, Document, ReadOptions
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.storage import is_url, location
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # Shards that start inside one frame of a compressed file (or one shard of a streamed dataset) each
@@ -43,7 +44,10 @@ def discover(paths, split: str | None = None) -> list[CorpusFile]:
             named = hf.named_file(str(arg), split)
             found.setdefault(named.source, named)
             continue
-        given = Path(arg)
+        if is_url(str(arg)):
+            _add_objects(found, str(arg))
+            continue
+        given = Path(str(arg)[len("file://"):] if str(arg).startswith("file://") else arg)
         shown = Path(os.path.normpath(str(arg))).as_posix()
         if not given.exists():
             raise CsdError(f"corpus path {arg} does not exist; check the path.")
@@ -67,6 +71,44 @@ def discover(paths, split: str | None = None) -> list[CorpusFile]:
         else:
             raise CsdError(f"corpus file {arg} has an unsupported type; use {ACCEPTED}.")
     return sorted(found.values(), key=lambda f: f.source)
+
+
+def _add_objects(found: dict, url: str) -> None:
+    """The corpus files of an object-store URL: one object, or every corpus object under a prefix
+    (sorted, hidden names skipped). Each is named in row ids by its key without the protocol and
+    bucket (`s3://b/corpus/a.jsonl` -> `corpus/a.jsonl`), as a local run from the folder the corpus
+    was copied from names it, so both runs write the same rows."""
+    root = location(url)
+    try:
+        if root.is_file():
+            members = [root]
+        elif root.is_dir():
+            members = [location(f"{root.protocol}://{p}") for p in sorted(root.fs.find(root.path))
+                       if file_format(p.rsplit("/", 1)[-1]) and not any(part.startswith(".") for part in
+                                                                        p[len(root.path):].split("/"))]
+        else:
+            raise CsdError(f"corpus path {url} does not exist; check the URL (and the credentials that list it).")
+    except FileNotFoundError:
+        raise CsdError(f"corpus path {url} does not exist; check the URL (and the credentials that list it).") from None
+    if not members:
+        raise CsdError(f"corpus prefix {url} holds no corpus file ({ACCEPTED}); point --corpus at your data.")
+    for member in members:
+        fmt = file_format(member.name)
+        if fmt is None:
+            raise CsdError(f"corpus file {url} has an unsupported type; use {ACCEPTED}.")
+        info = member.fs.info(member.path)
+        stamp = info.get("LastModified") or info.get("mtime") or info.get("updated")
+        version = str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or stamp or "")
+        key = member.path.split("/", 1)[1] if "/" in member.path else member.path
+        found.setdefault(str(member), CorpusFile(str(member), key, fmt[0], int(info["size"]), _stamp_ns(stamp),
+                                                 compression=fmt[1], revision=version or None))
+
+
+def _stamp_ns(stamp) -> int:
+    """An object's modification time in nanoseconds (0 when the store reports none)."""
+    if hasattr(stamp, "timestamp"):
+        return int(stamp.timestamp() * 1_000_000_000)
+    return int(float(stamp) * 1_000_000_000) if isinstance(stamp, int | float) else 0
 
 
 def _generated_shards(directory: Path) -> list[Path]:

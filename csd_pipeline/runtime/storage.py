@@ -1,0 +1,379 @@
+"""Where stage outputs and inputs live: a local folder or an object store, behind one set of paths.
+
+Every path argument is a local path or an fsspec URL (`s3://`, `gs://`, `memory://`, `file://`, any
+installed fsspec protocol). `location(arg)` gives a `pathlib.Path` for a local path (so local runs
+behave, and write, exactly as before) and a `upath.UPath` (fsspec's pathlib) for a URL, which the
+readers and the executor use with the same methods (`/`, `is_file`, `stat`, `read_bytes`, `open`).
+
+Writing without a rename. An object store has no atomic rename, so a file bound for a URL is written
+to a local staging file (`staging_path`), then uploaded whole (`commit`: fsspec's `put_file`, a
+completed multipart upload for a large object), and only then is its completion record written, and
+the manifest last (runtime/executor.py, runtime/run_record.py): an object whose record is missing
+does not exist for a reader, so a writer killed mid-upload leaves nothing a re-run trusts. A small
+file (a record, the manifest) is one PUT (`write_bytes`), which an object store applies whole.
+
+Credentials are the libraries' own (the `AWS_*` variables, `AWS_ENDPOINT_URL`, `~/.aws`, gcloud's),
+plus `--storage-options JSON` (`configure`): keyword arguments of the fsspec file system, kept in the
+environment of this process and its workers, never in a manifest, log line or error message.
+`describe_error` turns a failed object-store call into one line naming the URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+OPTIONS_ENV = "CSD_STORAGE_OPTIONS"  # --storage-options, inherited by worker processes
+CACHE_ENV = "CSD_CACHE_DIR"  # --cache-dir: local copies of objects, checked by sha256
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+_roots: list[str] = []  # the URLs this process was given, to name one in an error line
+
+
+def is_url(arg) -> bool:
+    """True for an fsspec URL other than `file://` (a local path stays a `pathlib.Path`)."""
+    return isinstance(arg, str) and bool(_URL.match(arg)) and not arg.startswith("file://")
+
+
+def is_remote(path) -> bool:
+    """True when `path` (a `location`) lives on an object store rather than a local disk."""
+    return is_remote_object(path)
+
+
+def configure(options_json: str | None) -> None:
+    """Take `--storage-options JSON` (a JSON object of fsspec file system keyword arguments; None:
+    keep the environment's). Raises `CsdError` naming the option when it is not a JSON object."""
+    from csd_pipeline.errors import CsdError
+
+    if options_json is None:
+        return
+    try:
+        options = json.loads(options_json)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise CsdError("--storage-options is not a JSON object (e.g. '{\"endpoint_url\": \"http://host:9000\"}'); "
+                       "fix its value.")
+    os.environ[OPTIONS_ENV] = json.dumps(options)
+
+
+def use_cache_dir(path) -> None:
+    """Take `--cache-dir DIR`: objects read with a recorded sha256 are read from checked local copies there."""
+    os.environ[CACHE_ENV] = os.path.abspath(os.fspath(path))
+
+
+def take_storage_flags(argv: list[str]) -> list[str]:
+    """Apply `--storage-options JSON` and `--cache-dir DIR` (also `--flag=value`) found in `argv` (csd-train's
+    arguments) and return the others, so neither reaches the run's saved config."""
+    rest, index = [], 0
+    while index < len(argv):
+        flag, _, inline = argv[index].partition("=")
+        if flag in ("--storage-options", "--cache-dir"):
+            value = inline if inline else (argv[index + 1] if index + 1 < len(argv) else None)
+            index += 1 if inline else 2
+            if value is None:
+                from csd_pipeline.errors import CsdError
+
+                raise CsdError(f"{flag} needs a value; pass {flag} VALUE.")
+            if flag == "--storage-options":
+                configure(value)
+            else:
+                use_cache_dir(value)
+        else:
+            rest.append(argv[index])
+            index += 1
+    return rest
+
+
+def storage_options() -> dict:
+    """The fsspec keyword arguments given with `--storage-options` (empty when none)."""
+    text = os.environ.get(OPTIONS_ENV)
+    return json.loads(text) if text else {}
+
+
+def location(arg):
+    """A local path as `pathlib.Path` (a `file://` URL too), a URL as `upath.UPath` with the storage
+    options; a `Path` or `UPath` passes through. Raises `CsdError` when the protocol's package is
+    not installed (naming the extra to install)."""
+    if is_remote_object(arg) or isinstance(arg, Path):
+        return arg
+    arg = os.fspath(arg)
+    if arg.startswith("file://"):
+        return Path(arg[len("file://"):])
+    if not is_url(arg):
+        return Path(arg)
+    from csd_pipeline.errors import CsdError
+
+    try:
+        from upath import UPath
+
+        options = storage_options()
+        if arg.split(":", 1)[0].lower() in _EXTRAS:  # s3fs / gcsfs: list the store, never a stale cached listing
+            options = {"use_listings_cache": False, **options}
+        path = UPath(arg, **options)
+        path.fs  # noqa: B018 - the protocol's package is imported here
+    except ImportError as err:
+        extra = _EXTRAS.get(arg.split(":", 1)[0].lower(), "s3")
+        raise CsdError(f"{redact(arg)} needs a package that is not installed ({err}); "
+                       f"pip install 'csd-pipeline[{extra}]'.") from None
+    except ValueError as err:
+        raise CsdError(f"{redact(arg)} is not a storage URL this installation reads ({err}); "
+                       "check the protocol, or pass a local path.") from None
+    except TypeError as err:
+        raise _refused_options(arg, err) from None
+    if arg not in _roots:
+        _roots.append(arg)
+    if path.protocol in _EXTRAS:
+        _check_store(path, arg)
+    return path
+
+
+_checked_buckets: set[str] = set()
+
+
+def _check_store(path, url: str) -> None:
+    """The first time this process touches a bucket: one request that fails, as one `CsdError` naming
+    `url`, when the endpoint cannot be reached, the credentials are refused or the bucket is missing
+    (later calls that swallow errors, such as `is_file`, would otherwise report "not found")."""
+    from csd_pipeline.errors import CsdError
+
+    bucket = path.path.split("/", 1)[0]
+    key = json.dumps([path.protocol, bucket, os.environ.get("AWS_ENDPOINT_URL"), os.environ.get(OPTIONS_ENV)])
+    if key in _checked_buckets:
+        return
+    try:
+        try:
+            path.fs.info(path.path)
+        except FileNotFoundError:
+            if not path.fs.exists(bucket):
+                raise CsdError(f"{redact(url)}: the bucket {bucket!r} does not exist (or these credentials cannot see "
+                               "it); create it, or fix the URL.") from None
+    except CsdError:
+        raise
+    except TypeError as err:  # the client is made at the first request: an option it does not take
+        raise _refused_options(url, err) from None
+    except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise many types
+        message = describe_error(err, url)
+        if message is None:
+            raise
+        raise CsdError(message) from None
+    _checked_buckets.add(key)
+
+
+def is_remote_object(value) -> bool:
+    """True for a `upath.UPath` (what `location` makes of a URL)."""
+    return type(value).__module__.startswith("upath")
+
+
+def _refused_options(url: str, err: TypeError):
+    """The `CsdError` for `--storage-options` that the file system does not take (the option's name only,
+    never a value: it may be a secret)."""
+    from csd_pipeline.errors import CsdError
+
+    name = re.search(r"keyword argument '([^']+)'", str(err))
+    what = f"it takes no option {name.group(1)!r}" if name else "an option it does not take"
+    return CsdError(f"the file system of {redact(url)} refused --storage-options ({what}); pass only options it "
+                    "documents (s3fs: endpoint_url, key, secret, client_kwargs, ...).")
+
+
+def redact(url: str) -> str:
+    """`url` without user information (`s3://KEY:SECRET@bucket` -> `s3://bucket`) or query string."""
+    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", str(url))
+    return url.split("?", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def staging_path(final) -> Path:
+    """The local file a writer writes before `commit`: next to `final` on a local disk (`<name>.<host>.
+    <pid>.tmp`, runtime/files.py), in a per-folder staging directory for an object-store URL."""
+    from csd_pipeline.runtime.files import tmp_path
+
+    if not is_remote(final):
+        return tmp_path(final)
+    folder = hashlib.sha256(str(final.parent).encode()).hexdigest()[:16]
+    staging = Path(tempfile.gettempdir()) / "csd-pipeline-staging" / folder
+    staging.mkdir(parents=True, exist_ok=True)
+    return tmp_path(staging / final.name)
+
+
+def upload(tmp: Path, final) -> None:
+    """Upload the finished local file `tmp` whole to the object `final` (multipart for a large one,
+    completed before this returns), then remove `tmp`."""
+    final.fs.put_file(str(tmp), final.path)
+    tmp.unlink(missing_ok=True)
+
+
+def upload_folder(local: Path, target, last: str) -> None:
+    """Replace the object folder `target` by the local folder `local` (then removed): every file,
+    `last` (the file a reader opens first, e.g. an HF export's config.json) after all the others, so
+    a reader never finds it next to missing files."""
+    import shutil
+
+    if target.exists():
+        target.fs.rm(target.path, recursive=True)
+    files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name == last, str(p)))
+    for path in files:
+        target.fs.put_file(str(path), (target / path.relative_to(local).as_posix()).path)
+    shutil.rmtree(local, ignore_errors=True)
+
+
+def write_object(final, data: bytes) -> None:
+    """Write `data` as the object `final` in one request (an object store applies it whole)."""
+    final.fs.pipe_file(final.path, data)
+
+
+def remove_staged(final_names, directory) -> None:
+    """Remove the local staging files that a killed writer of this host left for `directory`'s files."""
+    for name in final_names:
+        for path in staging_path(directory / name).parent.glob(f"{name}.*.tmp"):
+            path.unlink(missing_ok=True)
+
+
+def check_writable(out) -> None:
+    """For an object-store `out`: the bucket exists and an object can be written and removed there
+    (a missing bucket or denied credentials fail here, before any work). Raises `CsdError`."""
+    from csd_pipeline.errors import CsdError
+
+    bucket = out.path.split("/", 1)[0]
+    try:
+        if not out.fs.exists(bucket):
+            raise CsdError(f"--output {redact(str(out))}: the bucket {bucket!r} does not exist (or these credentials "
+                           "cannot see it); create it, or pass an --output in an existing bucket.")
+        probe = out / ".write-probe"
+        out.fs.pipe_file(probe.path, b"")
+        out.fs.rm_file(probe.path)
+    except CsdError:
+        raise
+    except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise many types
+        message = describe_error(err, str(out))
+        if message is None:
+            raise
+        raise CsdError(message) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def open_input(path):
+    """A binary file object that streams `path` (a local path: the file itself)."""
+    path = location(path)
+    return path.open("rb") if is_remote(path) else open(path, "rb")
+
+
+def local_file(path) -> Path:
+    """A local file with the bytes of `path`: the file itself on a local disk; for an object (a small
+    one: a table, a tokenizer file) a copy downloaded once per process into a temporary folder."""
+    path = location(path)
+    if not is_remote(path):
+        return path
+    key = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / "csd-pipeline-downloads" / f"{os.getpid()}-{key}{path.suffix}"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        path.fs.get_file(path.path, str(target))
+    return target
+
+
+def readable(path, sha256: str | None):
+    """What to read `path` from: with `--cache-dir` (`CSD_CACHE_DIR`) and a recorded `sha256`, the
+    checked local copy of an object (`cached_copy`); otherwise `path` itself, streamed."""
+    path = location(path)
+    cache_dir = os.environ.get(CACHE_ENV)
+    if not is_remote(path) or not cache_dir or sha256 is None:
+        return path
+    return cached_copy(path, sha256, cache_dir)
+
+
+def parquet_source(path):
+    """What `pyarrow.parquet.ParquetFile` / `read_metadata` take for `path`: a path string on a local
+    disk; on an object store a file of pyarrow's file system over fsspec's (`PyFileSystem(FSSpecHandler)`),
+    which reads the footer and the row groups asked for by ranged requests, never the whole object."""
+    path = location(path)
+    if not is_remote(path):
+        return str(path)
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    return PyFileSystem(FSSpecHandler(path.fs)).open_input_file(path.path)
+
+
+def cached_copy(path, sha256: str, cache_dir) -> Path:
+    """A local copy of `path` in `cache_dir`, named by its `sha256` and checked against it: made once
+    (downloaded, hashed, renamed into place), then reused while its bytes still hash to `sha256`.
+    Raises `CsdError` when the downloaded bytes have another sha256."""
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.runtime.files import atomic_path, file_sha256
+
+    target = Path(cache_dir) / sha256[:2] / f"{sha256}{Path(str(path)).suffix}"
+    if target.is_file() and file_sha256(target) == sha256:
+        return target
+    with atomic_path(target) as tmp:
+        with open_input(path) as source, open(tmp, "wb") as sink:
+            digest = hashlib.sha256()
+            for block in iter(lambda: source.read(1 << 20), b""):
+                digest.update(block)
+                sink.write(block)
+        if digest.hexdigest() != sha256:
+            raise CsdError(f"{redact(str(path))} does not have the sha256 its manifest records; re-run the stage "
+                           "that wrote it (its bytes changed after the manifest was written).")
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def _kind(err: BaseException) -> str | None:
+    name, text = type(err).__name__, str(err)
+    chain = [err, err.__cause__, err.__context__]
+    names = " ".join(type(e).__name__ for e in chain if e is not None)
+    if "EndpointConnectionError" in names or "ClientConnectorError" in names or "Could not connect" in text:
+        return "endpoint"
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return "bucket"
+    if (isinstance(err, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text
+            or "SignatureDoesNotMatch" in text or "Forbidden" in text or "NoCredentialsError" in names):
+        return "denied"
+    if isinstance(err, FileNotFoundError) or name == "NoSuchKey":
+        return "missing"
+    return None
+
+
+_ADVICE = {
+    "endpoint": ("the object store cannot be reached", "check AWS_ENDPOINT_URL (or endpoint_url in "
+                 "--storage-options) and that the server is up"),
+    "bucket": ("its bucket does not exist", "create the bucket or fix the URL"),
+    "denied": ("access was denied", "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+               "~/.aws, or --storage-options) and the bucket's policy"),
+    "missing": ("an object it lists is missing", "it was deleted after its stage wrote it: re-run that stage into a "
+                "new --output, or restore the object"),
+}
+
+
+def describe_error(err: BaseException, url: str | None = None) -> str | None:
+    """One line for an object-store failure, naming the URL (never a credential) and what to do; None
+    when `err` is not one (or no URL was in play)."""
+    kind = _kind(err)
+    where = _failed_url(err) or url or (_roots[-1] if _roots else None)
+    if kind is None or where is None or not (_roots or is_url(where)):
+        return None
+    reason, advice = _ADVICE[kind]
+    return f"object storage failed at {redact(where)} ({reason}); {advice}, then re-run the same command."
+
+
+def _failed_url(err: BaseException) -> str | None:
+    text = str(err)
+    for root in _roots:
+        protocol = root.split("://", 1)[0]
+        bucket = root.split("://", 1)[1].split("/", 1)[0]
+        match = re.search(re.escape(bucket) + r"[^\s'\"]*", text)
+        if match:
+            return f"{protocol}://{match.group(0)}"
+    return None

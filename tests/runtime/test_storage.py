@@ -1,0 +1,54 @@
+"""Object storage (runtime/storage.py) against a real S3 server (moto, a process on 127.0.0.1).
+
+The fast tier keeps one S3 round trip: the shared executor writing a stage to `s3://` commits
+without a rename (the whole object, then its record, then the manifest), skips an object that has
+no record on a re-run, and writes the bytes a local run writes. The stages end to end, kills and
+errors are in tests/runtime/test_storage_stages.py (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime import storage
+from csd_pipeline.runtime.executor import run_stage
+from csd_pipeline.runtime.run_record import stage_status
+from tests.runtime.test_executor import ToyStage
+from tests.s3_cases import SECRET
+
+
+def local_tree(directory) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_stage_commits_to_s3_as_a_local_run_does(tmp_path, s3_server, bucket):
+    url = f"{bucket}/toy"
+    run_stage(ToyStage(tmp_path / "local"))
+    report = run_stage(ToyStage(storage.location(url)))
+    assert report.complete
+    local, remote = local_tree(tmp_path / "local"), s3_server.objects(url)
+    assert remote == local  # every object, shards, records, stats and manifest, byte for byte
+    assert not any(name.endswith(".tmp") for name in remote)  # nothing is renamed on an object store
+
+    # An object without its completion record does not exist for a re-run: it is written again.
+    client, name = s3_server.client(), bucket[len("s3://"):]
+    client.delete_object(Bucket=name, Key="toy/done/part-00000-00002.done")
+    client.delete_object(Bucket=name, Key="toy/manifest.json")
+    client.put_object(Bucket=name, Key="toy/part-00000-00002.txt", Body=b"half an upload")
+    status = stage_status(url)
+    assert status["missing"] == ["part-00000-00002"] and not status["complete"]
+    again = run_stage(ToyStage(storage.location(url)))
+    assert again.processed == ["part-00000-00002"] and again.complete
+    assert s3_server.objects(url) == local
+    assert all(SECRET.encode() not in data for data in s3_server.objects(bucket).values())
+
+
+def test_a_local_path_stays_a_path_and_bad_options_are_one_line(tmp_path):
+    from pathlib import Path
+
+    assert type(storage.location(str(tmp_path))) is type(Path(tmp_path))
+    assert storage.location(f"file://{tmp_path}") == tmp_path
+    assert storage.redact("s3://KEY:SECRET@bucket/x?sig=1") == "s3://bucket/x"
+    with pytest.raises(CsdError, match="--storage-options is not a JSON object"):
+        storage.configure("[1, 2]")
