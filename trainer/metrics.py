@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from csd_pipeline.runtime.files import atomic_write_text
-from schemas.training_run import EVAL_FILE, METRICS_FILE
+from schemas.training_run import EVAL_FILE, METRICS_FILE, TASKS_FILE
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -50,12 +50,14 @@ class MetricsLogger:
         self.is_main = is_main
         self.path = Path(output) / METRICS_FILE
         self.eval_path = Path(output) / EVAL_FILE
+        self.tasks_path = Path(output) / TASKS_FILE
         self._bar = None
         self._trackers: list = []
         if not is_main:
             return
         truncate_jsonl(self.path, start_step)
         truncate_jsonl(self.eval_path, start_step)
+        truncate_jsonl(self.tasks_path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if progress:
             from csd_pipeline.runtime.progress import bar
@@ -97,7 +99,17 @@ class MetricsLogger:
             self.message("  per source: " + ", ".join(f"{Path(s).name} {f['bits_per_byte']:.4f}"
                                                       for s, f in sources.items()))
 
-    def _track(self, record: dict, prefix: str) -> None:
+    def log_tasks(self, record: dict) -> None:
+        """Append one `--eval-tasks` record (`step` and `eval/TASK/METRIC` values) to `eval_tasks.jsonl`."""
+        if not self.is_main:
+            return
+        with open(self.tasks_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+        self._track(record, None)
+        self.message(f"eval tasks step {record['step']}: " + ", ".join(
+            f"{k[len('eval/'):]} {v:.4f}" for k, v in record.items() if k != "step" and not k.endswith("_stderr")))
+
+    def _track(self, record: dict, prefix: str | None) -> None:
         if self._trackers:
             from trainer.trackers import tracker_values
 
