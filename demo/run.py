@@ -121,7 +121,8 @@ def main(argv: list[str]) -> int:
           f"csd-train --eval-tasks")
     teacher_tasks = out / "teacher-tasks.json"
     sh([pipeline, "evaluate", "--model", TEACHER, "--tasks", TASKS, "--output", teacher_tasks])
-    from trainer.task_eval import RESULTS_DIR, scores as task_scores
+    from trainer.task_eval import RESULTS_DIR
+    from trainer.task_eval import scores as task_scores
 
     results = {"teacher (SmolLM2-135M-Instruct)": teacher_tasks}
     for arm, name in (("csd", "student, CSD"), ("ce", "student, CE only")):
