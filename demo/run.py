@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
         sh([train_cmds, "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
             "--student-tokenizer", STUDENT_TOKENIZER, "--output", out / f"student-{arm}",
             "--steps", str(args.steps), "--eval-aligned", heldout, "--eval-every", str(max(args.steps // 5, 1)),
-            "--eval-tasks", TASKS, "--eval-tasks-every", str(max(args.steps // 5, 1)), *TRAIN_ARGS, *loss_args])
+            "--eval-tasks", TASKS, *TRAIN_ARGS, *loss_args])   # the tasks at the end only: each run costs minutes
 
     print("\n== 5. held-out bits per byte (same bytes for every model)")
     scores = {}
