@@ -26,6 +26,25 @@ def write_report(out: Path, summary: dict) -> Path:
                f"Total time: {summary['seconds'] / 60:.1f} min.", "",
                "## Held-out bits per byte (lower is better)", "", "| model | bits/byte | vs CE only |", "|---|---|---|"]
     preface += [f"| {name} | {value:.4f} | {(value - ce) / ce:+.1%} |" for name, value in scores.items()] + [""]
+    if summary.get("scores_tasks"):
+        preface += ["## Standard task `csd_next_sentence` (higher is better; chance 0.25)", "",
+                    "lm-evaluation-harness, zero-shot, every item; ± the harness's standard error. The students' "
+                    "scores are `csd-train --eval-tasks` on their final exports, the teacher's `csd-pipeline "
+                    "evaluate` (docs/EVALUATION.md).", "", "| model | task | acc | acc_norm |", "|---|---|---|---|"]
+        preface += [f"| {name} | `{task}` | {acc} | {norm} |" for name, task, acc, norm in task_rows(summary["scores_tasks"])]
+        preface += [""]
     report = write([out / name for name in FOLDERS], out, title="csd-pipeline demo report", preface=preface)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     return report
+
+
+def task_rows(tasks: dict) -> list[tuple[str, str, str, str]]:
+    """(model, task, acc, acc_norm), each score `value ± stderr`, from per-model `eval/TASK/METRIC` values
+    (`trainer.task_eval.scores`); the group before its tasks."""
+    rows = []
+    for name, values in tasks.items():
+        for task in sorted({key.split("/")[1] for key in values}, key=lambda t: (len(t), t)):
+            cells = [f"{values[f'eval/{task}/{m}']:.3f} ± {values.get(f'eval/{task}/{m}_stderr', float('nan')):.3f}"
+                     if f"eval/{task}/{m}" in values else "-" for m in ("acc", "acc_norm")]
+            rows.append((name, task, *cells))
+    return rows

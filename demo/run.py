@@ -4,7 +4,9 @@ Teacher: SmolLM2-135M-Instruct (ByteLevel BPE, 49,152 ids). Student: a small Lla
 with the Llama 2 SentencePiece tokenizer (byte fallback, 32,000 ids). Corpus: The Devil's
 Dictionary (public domain, `demo/corpus`), every tenth document held out. Two students are trained
 identically, one with CSD and one with cross-entropy only, and scored in held-out bits per byte
-next to the teacher. Every command is printed before it runs so it can be copied.
+next to the teacher, and on the project's lm-evaluation-harness task `csd_next_sentence` (the
+students by `csd-train --eval-tasks` on their exports, the teacher by `csd-pipeline evaluate`).
+Every command is printed before it runs so it can be copied.
 
     python demo/run.py [--out out/demo] [--steps N] [--fresh]
 """
@@ -40,6 +42,8 @@ STORE_ARGS = ["--min-p", "0.02", "--tail-samples", "48", "--keep", "csd-events"]
 # limited data, which over-fits whatever the batch).
 TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "80",
               "--seed", "0", "--save-every", "0", "--workers", "1"]
+# lm-evaluation-harness: the project's offline task (docs/EVALUATION.md); chance is 0.25
+TASKS = "csd_next_sentence"
 
 
 def sh(cmd: list[str], *, capture: bool = False) -> str:
@@ -102,7 +106,7 @@ def main(argv: list[str]) -> int:
         sh([train_cmds, "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
             "--student-tokenizer", STUDENT_TOKENIZER, "--output", out / f"student-{arm}",
             "--steps", str(args.steps), "--eval-aligned", heldout, "--eval-every", str(max(args.steps // 5, 1)),
-            *TRAIN_ARGS, *loss_args])
+            "--eval-tasks", TASKS, *TRAIN_ARGS, *loss_args])   # the tasks at the end only: each run costs minutes
 
     print("\n== 5. held-out bits per byte (same bytes for every model)")
     scores = {}
@@ -113,10 +117,23 @@ def main(argv: list[str]) -> int:
                                 "--seq-len", str(WINDOW), "--json"], capture=True))
         scores[name] = result["bits_per_byte"]
 
+    print(f"\n== 6. {TASKS} (lm-evaluation-harness): the teacher now; the students' final exports were scored by "
+          f"csd-train --eval-tasks")
+    teacher_tasks = out / "teacher-tasks.json"
+    sh([pipeline, "evaluate", "--model", TEACHER, "--tasks", TASKS, "--output", teacher_tasks])
+    from trainer.task_eval import RESULTS_DIR
+    from trainer.task_eval import scores as task_scores
+
+    results = {"teacher (SmolLM2-135M-Instruct)": teacher_tasks}
+    for arm, name in (("csd", "student, CSD"), ("ce", "student, CE only")):
+        results[name] = out / f"student-{arm}" / RESULTS_DIR / f"step-{args.steps:08d}.json"
+    tasks = {name: task_scores(json.loads(path.read_text(encoding="utf-8"))) for name, path in results.items()}
+
     from demo.report import write_report
 
-    summary = {"scores_bits_per_byte": scores, "align": align_info, "teacher": teacher_info, "tables": table_counts,
-               "steps": args.steps, "csd_args": CSD_ARGS, "seconds": time.perf_counter() - started}
+    summary = {"scores_bits_per_byte": scores, "scores_tasks": tasks, "align": align_info, "teacher": teacher_info,
+               "tables": table_counts, "steps": args.steps, "csd_args": CSD_ARGS,
+               "seconds": time.perf_counter() - started}
     report = write_report(out, summary)
     print_summary(summary, report)
     return 0
@@ -129,6 +146,12 @@ def print_summary(summary: dict, report: Path) -> None:
     for name, value in scores.items():
         delta = f"  ({(value - ce) / ce:+.1%} vs CE only)" if name == "student, CSD" else ""
         print(f"  {name:<34} {value:.4f}{delta}")
+    print(f"\n== {TASKS}: the real next sentence among four (chance 0.25; higher is better; ± the harness's "
+          "standard error)")
+    from demo.report import task_rows
+
+    for name, task, acc, acc_norm in task_rows(summary["scores_tasks"]):
+        print(f"  {name:<34} {task:<24} acc {acc}   acc_norm {acc_norm}")
     shapes = chunk_shapes(summary["align"])
     total = sum(shapes.values()) or 1
     print("\n== accepted chunks by shape")

@@ -237,7 +237,7 @@ class CheckpointConfig:
 
 @dataclass
 class EvaluationConfig:
-    """Held-out bits per byte during and at the end of the run."""
+    """Held-out bits per byte, and lm-evaluation-harness tasks on the export, during and at the end of the run."""
 
     eval_aligned: str | None = _opt(None, "held-out aligned directory: report bits per byte")
     eval_every: int = _opt(0, "evaluate every N steps (0: only at the end)")
@@ -245,9 +245,26 @@ class EvaluationConfig:
     eval_teacher_bits_per_byte: float | None = _opt(
         None, "the teacher's bits per byte on --eval-aligned (`csd-pipeline bits-per-byte --side teacher0`): each "
               "evaluation records it and warns once the student scores below it (KD then pulls the student back)")
+    eval_tasks: list[str] = field(
+        default_factory=list,
+        metadata={"help": "lm-evaluation-harness tasks run on the export every --eval-tasks-every steps and at the end "
+                          "(`csd-pipeline evaluate --list-tasks`; e.g. csd_next_sentence; needs the [eval] extra)",
+                  "trajectory": False},
+    )
+    eval_tasks_every: int = _opt(0, "run --eval-tasks every N steps (0: only at the end)")
+    eval_tasks_limit: int = _opt(0, "score at most N documents per task (0: all)")
+    eval_tasks_include_path: list[str] = field(
+        default_factory=list, metadata={"help": "folders of your own task YAML files for --eval-tasks", "trajectory": False})
 
     def validate(self) -> None:
-        _at_least(self, 0, ("eval_every", "eval_max_rows"))
+        _at_least(self, 0, ("eval_every", "eval_max_rows", "eval_tasks_every", "eval_tasks_limit"))
+        if not self.eval_tasks and (self.eval_tasks_every or self.eval_tasks_limit or self.eval_tasks_include_path):
+            raise CsdError("--eval-tasks-every, --eval-tasks-limit and --eval-tasks-include-path need --eval-tasks: pass "
+                           "task names separated by commas (e.g. --eval-tasks csd_next_sentence)")
+        if self.eval_tasks:
+            from trainer.task_eval import check_options
+
+            check_options(self)
         teacher = self.eval_teacher_bits_per_byte
         if teacher is not None and not teacher > 0:
             raise CsdError(f"--eval-teacher-bits-per-byte must be positive, got {teacher}; pass the teacher's held-out "
@@ -298,6 +315,12 @@ class TrainConfig:
             raise CsdError(f"--loss {self.loss.loss} needs teacher top-k: pass --teacher-logits DIR "
                            "(from `csd-pipeline teacher-logits`) or use --loss ce")
         self.teacher_weights()  # parses --kd-teachers
+        from csd_pipeline.runtime import storage
+
+        if self.evaluation.eval_tasks and storage.is_url(self.checkpoints.output):
+            raise CsdError(f"--eval-tasks runs the harness on a local export, but --output {self.checkpoints.output} "
+                           "is an object store: train to a local --output, or run `csd-pipeline evaluate` on a local "
+                           "copy of the export")
         return self
 
     def teacher_weights(self) -> dict[int, float]:

@@ -110,6 +110,10 @@ def _train(config: TrainConfig, ctx) -> dict:
     data, wrapper, optimizer, scheduler = build_components(config, ctx)
     torch.manual_seed(config.seed + 1000003 * ctx.rank)  # per-rank stream after the shared initialisation
     step, counters, loader_state, resumed_from = _resume(config, ctx, wrapper, optimizer, scheduler)
+    if config.evaluation.eval_tasks:
+        from trainer.task_eval import check_tasks
+
+        check_tasks(config.evaluation, ctx)
 
     steps, output = config.optimizer.steps, config.checkpoints.output
     loader = data.loader(ctx.rank, ctx.world, loader_state)
@@ -140,13 +144,17 @@ def _train(config: TrainConfig, ctx) -> dict:
             if evaluation.eval_aligned and evaluation.eval_every and step % evaluation.eval_every == 0:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
                 evaluated_at = step
-            if _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1], data):
+            saved = _save(config, ctx, step, step == last_step, wrapper, optimizer, scheduler, counters, micro[-1],
+                          data)
+            _evaluate_tasks(wrapper, config, ctx, data, step, metrics, micro[-1])
+            if saved:
                 metrics.sync()  # an object-store output gets the metrics files with each checkpoint
         if step == steps:
             if config.evaluation.eval_aligned and evaluated_at != step:
                 _evaluate(wrapper, config, ctx, data, step, metrics)
             sample = micro[-1] if last else next(loader)  # a real batch for the export's check
             export(wrapper, config, ctx, data, storage.location(output) / EXPORT_DIR, sample)
+            _evaluate_tasks(wrapper, config, ctx, data, step, metrics, sample, final=True)
     finally:
         metrics.close()
         loader.close()
@@ -191,6 +199,27 @@ def export(wrapper, config: TrainConfig, ctx, data, folder: Path, sample) -> Non
 
     export_hf(wrapper, data.student_tokenizer, folder, ctx, sample=sample,
               student_folder=student_model_folder(config.student), fingerprint=data.student_vocab.fingerprint)
+
+
+def _evaluate_tasks(wrapper, config: TrainConfig, ctx, data, step: int, metrics, batch, final: bool = False) -> None:
+    """`--eval-tasks` on the export of `step` (`trainer.task_eval`): the final export at the end, else the
+    `--export-every` one of this step or a scratch export written for it (`batch`: its check's real batch)."""
+    from trainer import task_eval
+
+    options, output = config.evaluation, Path(config.checkpoints.output)
+    if not (options.eval_tasks and (final or task_eval.due(options, step, config.optimizer.steps))):
+        return
+    every = config.checkpoints.export_every
+    if final:
+        folder = output / EXPORT_DIR
+    elif every and step % every == 0:
+        folder = output / f"{EXPORT_DIR}-step-{step}"   # `_save` has just written it
+    else:
+        folder = output / task_eval.SCRATCH_EXPORT
+        export(wrapper, config, ctx, data, folder, batch)
+    record = task_eval.evaluate_export(folder, options, output, step, config.device, ctx)
+    if record is not None:
+        metrics.log_tasks(record)
 
 
 def _evaluate(wrapper, config: TrainConfig, ctx, data, step: int, metrics) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from csd_pipeline.runtime import storage
 from csd_pipeline.runtime.files import atomic_write_text
-from schemas.training_run import EVAL_FILE, METRICS_FILE
+from schemas.training_run import EVAL_FILE, METRICS_FILE, TASKS_FILE
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -56,17 +56,19 @@ class MetricsLogger:
             self.output)
         self.path = folder / METRICS_FILE
         self.eval_path = folder / EVAL_FILE
+        self.tasks_path = folder / TASKS_FILE
         self._bar = None
         self._trackers: list = []
         if not is_main:
             return
         if storage.is_remote(self.output):
-            for name in (METRICS_FILE, EVAL_FILE):
+            for name in (METRICS_FILE, EVAL_FILE, TASKS_FILE):
                 self.path.parent.joinpath(name).unlink(missing_ok=True)
                 if (self.output / name).is_file():
                     self.output.fs.get_file((self.output / name).path, str(folder / name))
         truncate_jsonl(self.path, start_step)
         truncate_jsonl(self.eval_path, start_step)
+        truncate_jsonl(self.tasks_path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if progress:
             from csd_pipeline.runtime.progress import bar
@@ -108,7 +110,17 @@ class MetricsLogger:
             self.message("  per source: " + ", ".join(f"{Path(s).name} {f['bits_per_byte']:.4f}"
                                                       for s, f in sources.items()))
 
-    def _track(self, record: dict, prefix: str) -> None:
+    def log_tasks(self, record: dict) -> None:
+        """Append one `--eval-tasks` record (`step` and `eval/TASK/METRIC` values) to `eval_tasks.jsonl`."""
+        if not self.is_main:
+            return
+        with open(self.tasks_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+        self._track(record, None)
+        self.message(f"eval tasks step {record['step']}: " + ", ".join(
+            f"{k[len('eval/'):]} {v:.4f}" for k, v in record.items() if k != "step" and not k.endswith("_stderr")))
+
+    def _track(self, record: dict, prefix: str | None) -> None:
         if self._trackers:
             from trainer.trackers import tracker_values
 
@@ -130,7 +142,7 @@ class MetricsLogger:
         if not self.is_main or not storage.is_remote(self.output):
             return
         self._file.flush()
-        for path in (self.path, self.eval_path):
+        for path in (self.path, self.eval_path, self.tasks_path):
             if path.is_file():
                 storage.write_object(self.output / path.name, path.read_bytes())
 

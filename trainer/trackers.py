@@ -36,13 +36,17 @@ def check_installed(report_to: list[str]) -> None:
                            f"`pip install 'csd-pipeline[{extra}]'` (or `pip install {package}`), or drop {name}")
 
 
-def tracker_values(record: dict, prefix: str) -> dict[str, float]:
-    """The numeric values of one metrics record under the trackers' names (`prefix`: train or eval)."""
+def tracker_values(record: dict, prefix: str | None) -> dict[str, float]:
+    """The numeric values of one metrics record under the trackers' names (`prefix`: train or eval; None: the
+    record's keys are the names already, as in `eval_tasks.jsonl`)."""
     out = {}
     for key, value in record.items():
         if key == "step" or isinstance(value, str) or not isinstance(value, (int, float)):
             continue  # a non-finite value is a string in the JSON record, and is left out here too
-        name = TRACKER_NAMES.get(key, f"train/{key}") if prefix == "train" else f"{prefix}/{key}"
+        if prefix is None:
+            name = key
+        else:
+            name = TRACKER_NAMES.get(key, f"train/{key}") if prefix == "train" else f"{prefix}/{key}"
         out[name] = float(value)
     return out
 

@@ -85,7 +85,7 @@ def list_tasks(include_paths: list[str]) -> list[str]:
     return sorted(manager.all_tasks, key=lambda name: (origin(name), name))
 
 
-def _manager_for(config: EvaluateConfig):
+def manager_for(config: EvaluateConfig):
     """A TaskManager that knows every name in config.tasks; the harness's registry (seconds to index) is
     left out when only the project's tasks are asked for. Raises CsdError naming an unknown task."""
     if not config.include_paths:
@@ -125,7 +125,7 @@ def evaluate(config: EvaluateConfig) -> dict:
     from csd_pipeline.runtime.model_loading import model_fingerprint
 
     model_args, device = model_arguments(config.model, config.device)
-    manager = _manager_for(config)
+    manager = manager_for(config)
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable
 

@@ -30,13 +30,32 @@ class Folder:
 @dataclass
 class TrainingRun:
     """The curves of one csd-train run: per-step records (`metrics.jsonl`), held-out evaluations
-    (`eval.jsonl`) and its resolved options (`config.yaml`, {} when absent)."""
+    (`eval.jsonl`), its resolved options (`config.yaml`, {} when absent) and its lm-evaluation-harness
+    scores (`eval_tasks.jsonl`, `csd-train --eval-tasks`)."""
 
     path: Path
     label: str
     steps: list = field(default_factory=list)
     evals: list = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    tasks: list = field(default_factory=list)
+
+    def task_metrics(self) -> list[tuple[str, str]]:
+        """The (task, metric) pairs of `eval_tasks.jsonl` (keys `eval/TASK/METRIC`, stderr left out), sorted."""
+        pairs = set()
+        for record in self.tasks:
+            for key in record:
+                task, _, metric = key.removeprefix("eval/").partition("/")
+                if key.startswith("eval/") and metric and not metric.endswith("_stderr"):
+                    pairs.add((task, metric))
+        return sorted(pairs)
+
+    def task_series(self, task: str, metric: str) -> tuple[list, list, list]:
+        """(steps, values, standard errors or NaN) of one task's metric."""
+        key = f"eval/{task}/{metric}"
+        points = [(r["step"], float(r[key]), float(r.get(f"{key}_stderr", float("nan")))) for r in self.tasks
+                  if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in points], [p[1] for p in points], [p[2] for p in points]
 
     def series(self, key: str, evals: bool = False) -> tuple[list, list]:
         """(steps, values) of `key`, leaving out records without a finite number for it."""
@@ -100,7 +119,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def read_run(folder: Folder, label: str) -> TrainingRun:
     """The `TrainingRun` of a csd-train output folder."""
-    from schemas.training_run import EVAL_FILE, METRICS_FILE
+    from schemas.training_run import EVAL_FILE, METRICS_FILE, TASKS_FILE
 
     config = {}
     resolved = folder.path / "config.yaml"  # trainer.loop.RESOLVED_CONFIG (that module imports torch)
@@ -112,7 +131,7 @@ def read_run(folder: Folder, label: str) -> TrainingRun:
         except yaml.YAMLError:
             config = {}
     return TrainingRun(folder.path, label, _jsonl(folder.path / METRICS_FILE), _jsonl(folder.path / EVAL_FILE),
-                       config if isinstance(config, dict) else {})
+                       config if isinstance(config, dict) else {}, _jsonl(folder.path / TASKS_FILE))
 
 
 def labels(folders: list[Folder]) -> list[str]:

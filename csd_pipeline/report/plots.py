@@ -219,6 +219,36 @@ def heldout(runs, out: Path, name: str) -> str | None:
     return _save(fig, out, name)
 
 
+def _panels(count: int):
+    """(figure, 2-D array of axes) of `count` small panels, three to a row."""
+    columns = min(3, count)
+    rows = -(-count // columns)
+    return pyplot().subplots(rows, columns, figsize=(3.9 * columns + 0.5, 3.1 * rows + 0.4), squeeze=False)
+
+
+def tasks(runs, out: Path, name: str, limit: int = 6) -> str | None:
+    """lm-evaluation-harness scores at each task evaluation (`csd-train --eval-tasks`), ± the harness's standard
+    error: one panel per task and metric, one line per run."""
+    pairs = sorted({pair for run in runs for pair in run.task_metrics()})[:limit]
+    if not pairs:
+        return None
+    fig, axes = _panels(len(pairs))
+    for ax, (task, metric) in zip(axes.ravel(), pairs):
+        for i, run in enumerate(runs):
+            steps, values, errors = run.task_series(task, metric)
+            if steps:
+                ax.errorbar(steps, values, yerr=np.nan_to_num(errors), marker="o", ms=3, capsize=2,
+                            color=COLORS[i % len(COLORS)], label=f"{run.label}: {values[-1]:.3f}")
+        ax.set_title(f"{task} {metric}", fontsize=10)
+        ax.set(xlabel="step", ylabel=metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.ravel()[len(pairs):]:
+        ax.set_visible(False)
+    fig.suptitle("standard tasks on the export (higher is better; bars: the harness's standard error)", fontsize=11)
+    return _save(fig, out, name)
+
+
 def heldout_sources(runs, out: Path, name: str, limit: int = 12) -> str | None:
     """Held-out bits per byte per source at each evaluation: one panel per source (its own scale: languages
     differ), one line per run; runs with fewer than two sources are left out."""
@@ -228,10 +258,7 @@ def heldout_sources(runs, out: Path, name: str, limit: int = 12) -> str | None:
     sources = sorted({s for _, r in drawn for s in r.sources()})[:limit]
     if not sources:
         return None
-    plt = pyplot()
-    columns = min(3, len(sources))
-    rows = -(-len(sources) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(3.9 * columns + 0.5, 3.1 * rows + 0.4), squeeze=False)
+    fig, axes = _panels(len(sources))
     for ax, source in zip(axes.ravel(), sources):
         for i, run in drawn:
             steps, values = run.source_series(source)

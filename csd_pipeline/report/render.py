@@ -4,7 +4,7 @@ Each folder is recognised (`folders.recognise`): an aligned output gets its chun
 by reason, window lengths and per-source coverage (`stats.aligned_tables`); a teacher top-k output
 the teacher mass on explicit events and its distribution (`coverage.teacher_coverage`); training runs
 are drawn together (loss, CE, KD, held-out bits per byte, per source when the held-out folder has several
-sources, event coverage), so arms compare at a glance.
+sources, lm-evaluation-harness task scores, event coverage), so arms compare at a glance.
 The folder holds only the report: `report.md` and `*.png` it refers to by relative name.
 """
 
@@ -160,9 +160,32 @@ def _training_section(runs, out: Path) -> list[str]:
     lines += _table(["run", "loss", "steps", "last loss", "last CE", "last KD", "held-out bits/byte", "best"], rows)
     lines += _images(plots.training_curves(runs, out, "training-curves.png"),
                      plots.heldout(runs, out, "training-heldout.png"))
+    lines += _tasks_table(runs)
+    lines += _images(plots.tasks(runs, out, "training-tasks.png"))
     lines += _sources_table(runs)
     return lines + _images(plots.heldout_sources(runs, out, "training-heldout-sources.png"),
                            plots.event_coverage(runs, out, "training-event-coverage.png"))
+
+
+def _tasks_table(runs) -> list[str]:
+    """lm-evaluation-harness scores of `csd-train --eval-tasks` at each run's last task evaluation, ± the harness's
+    standard error, next to the held-out bits per byte of the same step."""
+    rows, metrics = [], sorted({m for run in runs for _, m in run.task_metrics()})
+    for run in runs:
+        bits = dict(zip(*run.series("bits_per_byte", evals=True)))
+        for task in sorted({t for t, _ in run.task_metrics()}):
+            cells, step = [], None
+            for metric in metrics:
+                steps, values, errors = run.task_series(task, metric)
+                step = steps[-1] if steps else step
+                cells.append(f"{values[-1]:.3f}" + (f" ± {errors[-1]:.3f}" if errors[-1] == errors[-1] else "")
+                             if steps else "-")
+            rows.append([run.label, f"`{task}`", step, *cells, f"{bits[step]:.4f}" if step in bits else "-"])
+    if not rows:
+        return []
+    return ["Standard tasks (lm-evaluation-harness on the run's export, `csd-train --eval-tasks`; ± the harness's "
+            "standard error) at the last task evaluation, next to the held-out bits per byte of that step.", ""] + \
+        _table(["run", "task", "step", *metrics, "held-out bits/byte"], rows)
 
 
 def _sources_table(runs) -> list[str]:

@@ -41,8 +41,10 @@ def test_two_gloo_ranks_learn(trainer_data, tmp_path):
     args = ["--aligned", str(trainer_data["train"]), "--student-config", str(trainer_data["student_config"]),
             "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "8",
             "--seq-len", "128", "--batch-size", "1", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "4",
-            "--workers", "1", "--no-progress"]
-    run = torchrun(2, args)
+            "--workers", "1", "--no-progress",
+            # rank 0 runs the harness in its own process at the end while rank 1 waits (docs/TRAINING.md)
+            "--eval-tasks", "csd_next_sentence_devil", "--eval-tasks-limit", "2"]
+    run = torchrun(2, args, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in open(output / "metrics.jsonl", encoding="utf-8")]
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -53,6 +55,10 @@ def test_two_gloo_ranks_learn(trainer_data, tmp_path):
     states = [json.loads((final / "ranks" / f"rank-{r:05d}.json").read_text())["loader"] for r in (0, 1)]
     assert all(s["version"] == 2 and len(s["lanes"]) == 2 for s in states)
     assert (output / "export" / "model.safetensors").is_file()
+    tasks, = [json.loads(line) for line in open(output / "eval_tasks.jsonl", encoding="utf-8")]
+    harness = json.loads((output / "eval-tasks" / "step-00000008.json").read_text())
+    assert tasks["step"] == 8 and harness["n-samples"]["csd_next_sentence_devil"]["effective"] == 2
+    assert tasks["eval/csd_next_sentence_devil/acc"] == harness["results"]["csd_next_sentence_devil"]["acc,none"]
 
 
 @pytest.mark.slow
