@@ -27,7 +27,10 @@ SENTENCE_END = re.compile(r"(?<!\.)\.(?!\.)(?=\s*$|\s+[A-Z`])")
 
 def first_sentence(path: Path) -> str:
     """The first sentence of a module's docstring, on one line, `|` escaped for a Markdown table."""
-    docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=True)
+    try:
+        docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=True)
+    except SyntaxError as err:
+        raise ValueError(f"{path.relative_to(ROOT)}: does not parse ({err.msg}, line {err.lineno}); fix it first") from None
     if not docstring:
         raise ValueError(f"{path.relative_to(ROOT)}: no module docstring; give the module a one-sentence docstring")
     paragraph = " ".join(docstring.split("\n\n")[0].split())
