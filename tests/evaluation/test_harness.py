@@ -10,7 +10,7 @@ import sys
 import pytest
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-PROJECT_TASKS = ["csd_next_sentence", "csd_next_sentence_devil", "csd_next_sentence_kjv"]
+PROJECT_TASKS = ["csd_heldout_devil", "csd_next_sentence", "csd_next_sentence_devil", "csd_next_sentence_kjv"]
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def test_list_tasks_puts_the_projects_first_then_the_users_then_the_harness(run_
     code, out, err = run_cli(["evaluate", "--list-tasks", "--include-path", tmp_path])
     assert code == 0, err
     names = out.splitlines()
-    assert names[:3] == PROJECT_TASKS and names[3] == "my_own_task"
+    assert names[:4] == PROJECT_TASKS and names[4] == "my_own_task"
     assert "hellaswag" in names[4:] and len(names) > 1000
 
 
@@ -107,3 +107,35 @@ def test_the_fixture_scores_like_a_float64_count(run_cli, model_path, tmp_path):
     items = [json.loads(line) for line in (ns.TASK_DIR / "devil.jsonl").read_text().splitlines()][:n]
     acc, acc_norm = reference_accuracy(model_path("smollm2-135m-instruct"), items)
     assert (scores["acc,none"], scores["acc_norm,none"]) == pytest.approx((acc, acc_norm))
+
+
+@pytest.mark.slow
+def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, model_path, tmp_path):
+    """csd_heldout_devil: the harness's rolling log-likelihood of a whole document, as bits per byte, equals a
+    float64 sum of the model's log-probabilities of the document's tokens after its prefix token."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import csd_pipeline.evaluation as evaluation
+    from csd_pipeline.evaluation.task_data import load_task_jsonl
+
+    output = tmp_path / "results.json"
+    code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_heldout_devil",
+                              "--limit", 1, "--device", "cpu", "--output", output])
+    assert code == 0, err
+    scores = json.loads(output.read_text())["results"]["csd_heldout_devil"]
+    folder = model_path("smollm2-135m-instruct")
+    document = load_task_jsonl(Path(evaluation.__file__).parent / "tasks" / "heldout_text", "devil.jsonl")["test"][0]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    ids = [prefix, *tokenizer(document["text"], add_special_tokens=False)["input_ids"]]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    nats = -sum(float(logp[j - 1, ids[j]]) for j in range(1, len(ids)))
+    expected = nats / len(document["text"].encode("utf-8")) / math.log(2)
+    assert scores["bits_per_byte,none"] == pytest.approx(expected, rel=1e-4)
+    assert f"csd_heldout_devil bits_per_byte {scores['bits_per_byte,none']:.4f}" in out

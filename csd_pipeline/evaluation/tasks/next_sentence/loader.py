@@ -6,16 +6,11 @@ and calls `load(**metadata, **dataset_kwargs)`; only `data_file` is read.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
 def load(data_file: str, **_ignored) -> dict:
     """{"test": datasets.Dataset} of the items in `data_file` (a name in this folder)."""
-    import datasets
+    from csd_pipeline.evaluation.task_data import load_task_jsonl
 
-    path = Path(__file__).resolve().parent / data_file
-    if path.parent != Path(__file__).resolve().parent or not path.is_file():
-        raise FileNotFoundError(f"{path}: the task's data file is missing; reinstall csd-pipeline")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return {"test": datasets.Dataset.from_list(rows)}
+    return load_task_jsonl(Path(__file__).parent, data_file)
