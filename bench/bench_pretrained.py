@@ -58,6 +58,11 @@ ARMS = {
     "gold m0.9": ["--loss", "gold", "--divergence", "jsd", "--gold-matched-weight", "0.9", "--kd-scale", "fixed",
                   "--kd-weight", "1"],
     "strict top16 r0.5": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "0.5"],
+    # each peer's second trial, as CSD had two weightings here (dynamic, fixed 0.5)
+    "uld dynamic": ["--loss", "uld"],
+    "gold m0.9 fixed0.5": ["--loss", "gold", "--divergence", "jsd", "--gold-matched-weight", "0.9", "--kd-scale",
+                           "fixed", "--kd-weight", "0.5"],
+    "strict top16 fixed0.5": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "fixed", "--kd-weight", "0.5"],
 }
 
 
