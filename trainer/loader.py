@@ -274,10 +274,17 @@ def _identity(batch):
     return batch
 
 
+WORKER_GC_ENV = "CSD_TEST_WORKER_GC"
+
+
 def _start_worker(parent_pid: int, worker_id: int) -> None:
     from csd_pipeline.runtime.lifetime import end_with_parent
 
     end_with_parent(parent_pid)  # a csd-train killed with -9 takes its workers with it
+    if os.environ.get(WORKER_GC_ENV):  # test hook: a collection in the worker at once (issue 35's hang)
+        import gc
+
+        gc.collect()
 
 
 def _forked_workers(spec: LoaderSpec, count: int) -> list:
@@ -286,8 +293,8 @@ def _forked_workers(spec: LoaderSpec, count: int) -> list:
     The workers are forked with the garbage collector's objects frozen, so that a worker never finalizes
     what it inherited. When the last reference to a destroyed gloo process group sits in a reference
     cycle not yet collected (an earlier `train` in this process: a test session, a bench), a collection
-    in the forked worker runs gloo's destructor there, which waits for threads that exist only in the
-    parent: the worker hangs for good (issue 35, docs/RELIABILITY.md). Frozen, it stays the parent's."""
+    in the forked worker runs gloo's destructor there, on threads that exist only in the parent: the
+    worker hangs for good or crashes (issue 35, docs/RELIABILITY.md). Frozen, it stays the parent's."""
     import gc
     from functools import partial
 
