@@ -313,15 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe", choices=("small", "demo"), default="small",
                         help="small (default): every stage and both rounds on fewer documents and steps; demo: "
                              "the demo's corpus and options, both students")
-    parser.add_argument("--docs", type=int, default=12, help="small recipe: training documents (default 12)")
-    parser.add_argument("--heldout-docs", type=int, default=3, help="small recipe: held-out documents")
-    parser.add_argument("--steps", type=int, default=24, help="small recipe: csd-train steps (default 24)")
-    parser.add_argument("--round-steps", type=int, default=8, help="small recipe: steps per on-policy round")
-    parser.add_argument("--new-tokens", type=int, default=32, help="small recipe: tokens sampled per prompt")
+    parser.add_argument("--docs", type=int, default=6, help="small recipe: training documents (default 6)")
+    parser.add_argument("--heldout-docs", type=int, default=2, help="small recipe: held-out documents")
+    parser.add_argument("--steps", type=int, default=16, help="small recipe: csd-train steps (default 16)")
+    parser.add_argument("--round-steps", type=int, default=4, help="small recipe: steps per on-policy round")
+    parser.add_argument("--new-tokens", type=int, default=16, help="small recipe: tokens sampled per prompt")
     parser.add_argument("--save-every", type=int, default=4, help="checkpoint every N steps (default 4)")
     parser.add_argument("--shard-kb", type=float, default=8, help="aligned shard size in KiB (default 8)")
     parser.add_argument("--teacher", default="smollm2-135m-instruct", help="teacher model (smollm2 tokenizer)")
     parser.add_argument("--student-config", default=str(ROOT / "demo" / "student-config.json"))
+    parser.add_argument("--no-rounds", action="store_true", help="the four stages only (the test's short soak)")
+    parser.add_argument("--no-heldout", action="store_true", help="no held-out align and no evaluation")
     parser.add_argument("--orphan-bound", type=float, default=30.0,
                         help="seconds a killed command's processes have to end (default 30)")
     parser.add_argument("--attempt-timeout", type=float, default=1800.0, help="a longer attempt is a hang")

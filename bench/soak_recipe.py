@@ -7,6 +7,7 @@ differs comes from the kills, not from a path.
 
 `--recipe small` (the default) keeps every stage and both rounds, on fewer documents and steps than the
 demo; `--recipe demo` is the demo's own corpus, store and training options (demo/run.py), both arms.
+`--no-rounds` and `--no-heldout` (no held-out align, no evaluation) make the short version of the tests.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def recipe(options, work: Path) -> list[Command]:
                                             "--teacher-tokenizer", TEACHER_TOKENIZER, "--output-dir", tables),
                         tables, "tables")]
     shard = ["--shard-mb", str(options.shard_kb / 1024)]
-    for name, corpus in (("aligned", train_corpus), ("heldout", heldout_corpus)):
+    for name, corpus in (("aligned", train_corpus), ("heldout", heldout_corpus))[:1 if options.no_heldout else 2]:
         commands.append(Command(f"align {name}", _pipeline(
             "align", "--corpus", corpus, "--student-tokenizer", STUDENT_TOKENIZER, "--teacher-tokenizer",
             TEACHER_TOKENIZER, "--tables", s2t, t2s, "--output", work / name, "--max-student-tokens", WINDOW,
@@ -85,10 +86,15 @@ def recipe(options, work: Path) -> list[Command]:
         commands.append(Command(f"csd-train {arm}", _train(
             "--aligned", work / "aligned", "--teacher-logits", work / "teacher", "--student-config",
             options.student_config, "--student-tokenizer", STUDENT_TOKENIZER, "--output", output, "--steps", steps,
-            "--eval-aligned", work / "heldout", "--eval-every", max(steps // 2, 1), "--seq-len", WINDOW,
+            *([] if options.no_heldout else ["--eval-aligned", work / "heldout", "--eval-every", max(steps // 2, 1)]),
+            "--seq-len", WINDOW,
             "--batch-size", 2, "--lr", "3e-3", "--warmup-steps", min(80, steps // 4), "--seed", 0,
             "--save-every", options.save_every, "--workers", 1, "--device", "cpu", "--progress", "false",
             "--resume", *loss_args), output, "train"))
+    if options.no_rounds:
+        for command in commands:
+            command.outputs = [(command.kind, command.output)]
+        return commands
     rounds_out = work / "onpolicy"
     round_steps = 50 if demo else options.round_steps
     train_arg = f"--batch-size 2 --save-every {options.save_every} --workers 1 --device cpu --progress false --resume"
