@@ -178,17 +178,27 @@ def fit(kill: Kill, index: int, kind: str) -> Kill:
     return Kill(index, trigger, kill.fraction, hook)
 
 
+def temporary(command: Command, trigger: str) -> set[str]:
+    """The temporary files or folders of the trigger's kind in the command's output now."""
+    if not command.output.exists():
+        return set()
+    pattern = "checkpoints/step-*.tmp" if trigger == "checkpoint" else "*.tmp"
+    return {str(p) for p in command.output.rglob(pattern)}
+
+
 def trigger_due(kill: Kill, command: Command, started: float, duration: float, first_progress: float,
-                temporary_before: set) -> bool:
+                stale: set) -> bool:
+    """Whether to kill now. `stale`: what a killed run left (updated: the re-run removes it, then a
+    new one of the same name is this run's own)."""
     elapsed = time.monotonic() - started
     if kill.trigger == "time":
         return elapsed >= kill.fraction * duration
     if kill.trigger == "recovery":
         return elapsed >= kill.fraction * first_progress
-    if kill.trigger == "checkpoint":
-        return any(command.output.rglob("checkpoints/step-*.tmp"))
-    if kill.trigger == "shard":
-        return bool({str(p) for p in command.output.rglob("*.tmp")} - temporary_before)
+    if kill.trigger in ("checkpoint", "shard"):
+        now = temporary(command, kill.trigger)
+        stale &= now
+        return bool(now - stale)
     return False  # hook: the process kills itself
 
 
@@ -217,7 +227,7 @@ def attempt(command: Command, kill: Kill | None, duration: float, first_progress
     hook = hook_env(kill, command, options) if kill and kill.trigger == "hook" else ""
     if hook:
         env["CSD_TEST_CRASH"] = hook
-    temporary_before = {str(p) for p in command.output.rglob("*.tmp")} if command.output.exists() else set()
+    stale = temporary(command, kill.trigger) if kill else set()
     log_file.write(f"\n$ {' '.join(command.argv)}  # {kill.trigger if kill else 'to the end'} {hook}\n")
     log_file.flush()
     started = time.monotonic()
@@ -229,7 +239,7 @@ def attempt(command: Command, kill: Kill | None, duration: float, first_progress
             raise SystemExit(f"soak: {command.name} ran past --attempt-timeout {options.attempt_timeout} s (a hang?); "
                              f"its processes: {session_processes(process.pid)}; see {log_file.name}")
         if kill and kill.trigger != "hook" and trigger_due(kill, command, started, duration, first_progress,
-                                                           temporary_before):
+                                                           stale):
             os.kill(process.pid, signal.SIGKILL)
             killed = True
             break
@@ -278,6 +288,8 @@ def soak(commands: list[Command], planned: list[Kill], durations, firsts, option
         carried = []
         for position, kill in enumerate(queue):
             kill = fit(kill, index, command.kind)
+            if kill.trigger == "recovery" and not position:  # carried here: no killed run to recover from
+                kill.trigger = "time"
             outcome = attempt(command, kill, durations[index], firsts[index], options, log_file)
             if not outcome.killed:  # the command finished first: the rest of its kills go to the next command
                 carried = queue[position + 1:] + [kill]

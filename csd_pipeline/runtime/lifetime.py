@@ -1,6 +1,6 @@
-"""Processes the tools start end with the process that started them (issue 35, item 3).
+"""Processes the tools start end with the process that started them.
 
-A parent killed with SIGKILL runs no clean-up, so its helpers are told by the kernel instead: on Linux
+Issue 35, item 3. A parent killed with SIGKILL runs no clean-up, so its helpers are told by the kernel instead: on Linux
 `prctl(PR_SET_PDEATHSIG, SIGKILL)` makes the kernel kill a child as soon as the thread that started it
 ends. Elsewhere a daemon thread polls the parent's pid twice a second. Either way a child that finds its
 parent already gone (it died between the fork and the call) ends at once.
