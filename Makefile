@@ -16,7 +16,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune gpu-check docs lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-teachers what a second teacher (Gemma 3) buys, and CSD on a pretrained student (about 3 hours)"
 	@echo "make bench-pretrained  CSD for a pretrained SmolLM2 on five languages from Gemma 3 (BENCH_ARGS: arms, seeds)"
 	@echo "make bench-prune  heal a depth-pruned SmolLM2: CE, CSD from Gemma 3, CSD and KD from the unpruned SmolLM2"
+	@echo "make soak        kill -9 the demo's stages and rounds 30 times; outputs must equal an uninterrupted run's (SOAK_ARGS)"
 	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
 	@echo "make docs        regenerate the generated parts of docs/ (the layout table of ARCHITECTURE.md)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
@@ -85,6 +86,11 @@ bench-prune: fixtures
 
 bench-teachers: fixtures
 	$(PY) bench/bench_teachers.py --jobs 2
+
+# SOAK_ARGS: e.g. --kills 30 --seed 0, --recipe demo, --kills 0 --resume-repeats 50 (bench/soak.py --help)
+SOAK_ARGS ?=
+soak: fixtures
+	OMP_NUM_THREADS=1 $(PY) bench/soak.py $(SOAK_ARGS)
 
 # on the first CUDA device (a few minutes); without one it says "no CUDA device" and exits 0
 gpu-check: fixtures

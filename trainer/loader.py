@@ -15,6 +15,7 @@ Only the training entry point imports this module (it imports torch at the top).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,6 +274,40 @@ def _identity(batch):
     return batch
 
 
+WORKER_GC_ENV = "CSD_TEST_WORKER_GC"
+
+
+def _start_worker(parent_pid: int, worker_id: int) -> None:
+    from csd_pipeline.runtime.lifetime import end_with_parent
+
+    end_with_parent(parent_pid)  # a csd-train killed with -9 takes its workers with it
+    if os.environ.get(WORKER_GC_ENV):  # test hook: a collection in the worker at once (issue 35's hang)
+        import gc
+
+        gc.collect()
+
+
+def _forked_workers(spec: LoaderSpec, count: int) -> list:
+    """One DataLoader iterator (one forked worker process) per worker.
+
+    The workers are forked with the garbage collector's objects frozen, so that a worker never finalizes
+    what it inherited. When the last reference to a destroyed gloo process group sits in a reference
+    cycle not yet collected (an earlier `train` in this process: a test session, a bench), a collection
+    in the forked worker runs gloo's destructor there, on threads that exist only in the parent: the
+    worker hangs for good or crashes (issue 35, docs/RELIABILITY.md). Frozen, it stays the parent's."""
+    import gc
+    from functools import partial
+
+    gc.freeze()
+    try:
+        return [iter(torch.utils.data.DataLoader(
+            _Stream(spec, worker, count), batch_size=None, num_workers=1, collate_fn=_identity,
+            prefetch_factor=4, persistent_workers=False, worker_init_fn=partial(_start_worker, os.getpid())))
+            for worker in range(count)]
+    finally:
+        gc.unfreeze()
+
+
 class BatchLoader:
     """Iterator of the rank's `MicroBatch`es, each carrying the rank's loader state after it.
 
@@ -287,10 +322,7 @@ class BatchLoader:
         if workers == 0:
             self._iters = [stream_batches(spec)]
         else:
-            count = min(workers, spec.lanes)
-            self._iters = [iter(torch.utils.data.DataLoader(
-                _Stream(spec, worker, count), batch_size=None, num_workers=1, collate_fn=_identity,
-                prefetch_factor=4, persistent_workers=False)) for worker in range(count)]
+            self._iters = _forked_workers(spec, min(workers, spec.lanes))
 
     def __iter__(self):
         return self

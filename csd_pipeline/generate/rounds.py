@@ -98,7 +98,9 @@ def train_command(config: RoundsConfig, student: str, folder: Path, seed: int) -
 def train(config: RoundsConfig, student: str, folder: Path, seed: int, log) -> None:
     command = train_command(config, student, folder, seed)
     log("$ csd-train " + " ".join(command[3:]))
-    result = subprocess.run(command)
+    from csd_pipeline.runtime.lifetime import popen_options
+
+    result = subprocess.run(command, **popen_options())  # a rounds command killed with -9 takes csd-train with it
     if result.returncode != 0:
         raise CsdError(f"csd-train of {folder} failed (exit {result.returncode}); fix what it printed and re-run "
                        "the same rounds command to resume.")

@@ -326,8 +326,12 @@ def _write_shard(writer, task: ShardTask, out: Path, suffix: str) -> dict:
 _worker_writer = None
 
 
-def _start_worker(writer, counter=None) -> None:
+def _start_worker(writer, counter=None, parent_pid: int | None = None) -> None:
     global _worker_writer
+    if parent_pid is not None:
+        from csd_pipeline.runtime.lifetime import end_with_parent
+
+        end_with_parent(parent_pid)  # a command killed with -9 takes its workers with it
     _worker_writer = writer
     progress.use_counter(counter)
 
@@ -347,7 +351,7 @@ def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: P
     context = multiprocessing.get_context("spawn")
     try:
         with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                                 initargs=(stage.shard_writer(), tracker.worker_counter())) as pool:
+                                 initargs=(stage.shard_writer(), tracker.worker_counter(), os.getpid())) as pool:
             futures = {pool.submit(_worker_write_shard, task, out, stage.suffix): task for task in pending}
             try:
                 for future in as_completed(futures):

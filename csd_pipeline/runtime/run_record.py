@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.files import atomic_write_bytes, atomic_write_json, json_bytes, strict_json
+from csd_pipeline.runtime.files import atomic_path, atomic_write_json, json_bytes, strict_json
 from csd_pipeline.runtime.manifest import MANIFEST_NAME, MANIFEST_VERSION
 from csd_pipeline.runtime.storage import location
 
@@ -268,6 +268,19 @@ def finalize(directory, log=None) -> dict | None:
     data = json_bytes(manifest)
     path = out / MANIFEST_NAME
     if not path.is_file() or path.read_bytes() != data:
-        atomic_write_bytes(path, data)
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(data)
+            _maybe_crash_manifest()
         log(f"{out}: all {len(markers)} shards complete; wrote {MANIFEST_NAME}.")
     return manifest
+
+
+def _maybe_crash_manifest() -> None:
+    # Test hook (bench/soak.py): CSD_TEST_CRASH="manifest_written" SIGKILLs this process once the manifest's
+    # temporary file is written, before its rename.
+    import os
+
+    if os.environ.get("CSD_TEST_CRASH") == "manifest_written":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
