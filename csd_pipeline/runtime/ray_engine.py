@@ -40,8 +40,8 @@ class EngineConfig:
     engine: str = option("local", "Where the shards run: 'local' (this machine's processes, --workers) or 'ray' "
                                   "(actors of a Ray cluster; --workers actors, one driver, no --rank).",
                          choices=ENGINES)
-    ray_address: str | None = option(None, "The Ray cluster of --engine ray (host:port of its head, 'auto' or "
-                                           "ray://...; default: RAY_ADDRESS, else a Ray started on this machine).")
+    ray_address: str | None = option(None, "The Ray cluster of --engine ray: host:port of its head, or 'auto' "
+                                           "(default: RAY_ADDRESS, else a Ray started on this machine for the run).")
     num_cpus_per_worker: float = option(1.0, "CPUs Ray reserves for each worker actor (--engine ray).")
     num_gpus_per_worker: float = option(0.0, "GPUs Ray reserves for each worker actor (--engine ray); the actor "
                                              "sees them as cuda:0, ...")
@@ -92,8 +92,12 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as err:
-        raise CsdError(f"the Ray cluster at {address} cannot be reached ({err.strerror or err}); start it with "
-                       "`ray start --head`, or pass the right --ray-address / RAY_ADDRESS.") from None
+        raise _unreachable(address, err.strerror or str(err)) from None
+
+
+def _unreachable(address: str, reason: str) -> CsdError:
+    return CsdError(f"the Ray cluster at {address} cannot be reached ({reason}); start it with `ray start --head`, "
+                    "or pass the right --ray-address / RAY_ADDRESS.")
 
 
 def preflight(config: EngineConfig) -> None:
@@ -121,8 +125,7 @@ def connect(config: EngineConfig) -> bool:
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
     except ConnectionError as err:
-        raise CsdError(f"the Ray cluster at {address or 'auto'} cannot be reached ({str(err).splitlines()[0]}); "
-                       "start it with `ray start --head`, or pass the right --ray-address / RAY_ADDRESS.") from None
+        raise _unreachable(address or "auto", str(err).strip().splitlines()[0]) from None
     return True
 
 
