@@ -3,14 +3,14 @@ two workers on this machine (two CPUs), in one run.
 
 Inputs: align, the committed slice tests/data/python-docs-slice.txt (256 KB; 64 KB in quick mode),
 Llama 3 student / Qwen2 teacher tokenizers, 32 KB shards; teacher-logits, the real
-SmolLM2-135M-Instruct on CPU (float32, one thread per worker) over the first 24 KB of the same slice
-aligned for it (gpt-2 student, 6 KB shards; 8 KB in quick mode).
+SmolLM2-135M-Instruct on CPU (float32, one thread per worker) over the first 8 KB of the same slice
+aligned for it (gpt-2 student, 2 KB shards; 3 KB in quick mode).
 
 Measured: the whole stage call (`run_align` / `run_teacher_logits` with `workers=2`), planning, the
 workers' own tokenizer or teacher loads and the manifest included; the local engine's workers are spawned
 processes, Ray's are actors of a local Ray cluster started once before the timings (its start is
 reported apart, `ray_start_seconds`). The two engines alternate, `REPEATS` times each, and the best of
-each is kept (the machine is shared). Checks: ray / local <= 1.10 per stage, and the two engines' outputs
+each is kept (the machine is shared; `--stage`, `--repeats` run less). Checks: ray / local <= 1.10 per stage, and the two engines' outputs
 byte-identical. `python bench/bench_engines.py [--quick]` runs it alone.
 """
 
@@ -31,6 +31,7 @@ SLICE = ROOT / "tests" / "data" / "python-docs-slice.txt"
 TEACHER = "smollm2-135m-instruct"
 WORKERS = 2
 REPEATS = 2
+STAGES = ("align", "teacher_logits")
 LIMIT_OVERHEAD = 1.10
 
 
@@ -46,13 +47,13 @@ def _hashes(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def _alternate(run, tmp: Path, stage: str) -> dict:
-    """Run `run(out, engine)` REPEATS times per engine, alternating; best seconds of each, byte equality."""
+def _alternate(run, tmp: Path, stage: str, repeats: int) -> dict:
+    """Run `run(out, engine)` `repeats` times per engine, alternating; best seconds of each, byte equality."""
     from csd_pipeline.runtime.ray_engine import EngineConfig
 
     seconds: dict[str, list[float]] = {"local": [], "ray": []}
     hashes = {}
-    for repeat in range(REPEATS):
+    for repeat in range(repeats):
         order = ("local", "ray") if repeat % 2 == 0 else ("ray", "local")
         for name in order:
             out = tmp / f"{stage}-{name}-{repeat}"
@@ -61,13 +62,30 @@ def _alternate(run, tmp: Path, stage: str) -> dict:
             seconds[name].append(time.perf_counter() - start)
             hashes.setdefault(name, _hashes(out))
     local, ray = min(seconds["local"]), min(seconds["ray"])
+    print(f"[engines] {stage}: local {seconds['local']}, ray {seconds['ray']} seconds", file=sys.stderr, flush=True)
     return {"local_seconds": round(local, 3), "ray_seconds": round(ray, 3), "ratio": round(ray / local, 3),
             "local_seconds_each": [round(s, 3) for s in seconds["local"]],
             "ray_seconds_each": [round(s, 3) for s in seconds["ray"]],
             "identical": hashes["local"] == hashes["ray"]}
 
 
-def run(quick: bool = False) -> dict:
+def _start_ray(ray, attempts: int = 3) -> float:
+    """Start a local Ray of WORKERS CPUs; returns the seconds of the start that worked. Ray gives its raylet
+    30 s to register: on a busy shared machine that can pass, so a failed start is tried again."""
+    for attempt in range(attempts):
+        start = time.perf_counter()
+        try:
+            ray.init(address="local", num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
+            return time.perf_counter() - start
+        except Exception as err:  # Ray raises a bare Exception for a node that timed out during startup
+            ray.shutdown()
+            if attempt == attempts - 1:
+                raise
+            print(f"[engines] Ray did not start ({err}); trying again", file=sys.stderr, flush=True)
+    raise RuntimeError("unreachable")
+
+
+def run(quick: bool = False, stages: tuple = STAGES, repeats: int = REPEATS) -> dict:
     os.environ["OMP_NUM_THREADS"] = "1"  # before any worker starts: one thread per worker on both engines
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     import ray
@@ -78,16 +96,14 @@ def run(quick: bool = False) -> dict:
     from csd_pipeline.teacher.config import TeacherLogitsConfig
     from csd_pipeline.teacher.stage import run_teacher_logits
 
-    start = time.perf_counter()
-    ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
-    ray_start = time.perf_counter() - start
+    ray_start = _start_ray(ray)
     try:
         with tempfile.TemporaryDirectory() as tmp_name:
             tmp = Path(tmp_name)
             data = SLICE.read_bytes()
             corpus, teacher_corpus = tmp / "docs.txt", tmp / "teacher-docs.txt"
             corpus.write_bytes(_cut(data, 64_000 if quick else len(data)))
-            teacher_corpus.write_bytes(_cut(data, 8_000 if quick else 24_000))
+            teacher_corpus.write_bytes(_cut(data, 3_000 if quick else 8_000))
 
             def align(out, engine):
                 run_align(AlignConfig(corpus=[str(corpus)], student_tokenizer="llama-bpe", teacher_tokenizers=["qwen2"],
@@ -96,16 +112,16 @@ def run(quick: bool = False) -> dict:
 
             aligned = tmp / "aligned"
             run_align(AlignConfig(corpus=[str(teacher_corpus)], student_tokenizer="gpt-2", teacher_tokenizers=["smollm2"],
-                                  output=str(aligned), split_on_blank_lines=True, shard_bytes=6_000))
+                                  output=str(aligned), split_on_blank_lines=True, shard_bytes=2_000))
 
             def teacher(out, engine):
                 run_teacher_logits(TeacherLogitsConfig(aligned=str(aligned), teacher=str(model_path(TEACHER)),
                                                        output=str(out), top_k=32, device="cpu", dtype="float32"),
                                    workers=WORKERS, engine=engine)
 
-            results = {"align": _alternate(align, tmp, "align"), "teacher_logits": _alternate(teacher, tmp, "teacher")}
-            shards = {"align": len(list((tmp / "align-local-0").glob("*.parquet"))),
-                      "teacher_logits": len(list((tmp / "teacher-local-0").glob("*.parquet")))}
+            runs = {"align": align, "teacher_logits": teacher}
+            results = {stage: _alternate(runs[stage], tmp, stage, repeats) for stage in stages}
+            shards = {stage: len(list((tmp / f"{stage}-local-0").glob("*.parquet"))) for stage in stages}
     finally:
         ray.shutdown()
     metrics = {"workers": WORKERS, "cpus": os.cpu_count(), "ray_version": ray.__version__,
@@ -127,4 +143,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller inputs: a smoke run")
-    print(json.dumps(run(quick=parser.parse_args().quick), indent=2))
+    parser.add_argument("--stage", action="append", choices=STAGES, help="one stage only (repeatable; default: both)")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="runs per engine (the best is kept)")
+    args = parser.parse_args()
+    print(json.dumps(run(quick=args.quick, stages=tuple(args.stage or STAGES), repeats=args.repeats), indent=2))

@@ -2,11 +2,11 @@
 
 `run_stage` (executor.py) plans, resumes and finalises a stage the same way for every engine; only
 the dispatch of the pending shards differs. With `--engine ray` the driver (the process that runs
-the command) connects to a Ray cluster (`--ray-address`, else RAY_ADDRESS, else a Ray started on
-this machine for the run), starts `--workers` actors, each with `--num-cpus-per-worker` CPUs and
-`--num-gpus-per-worker` GPUs, and hands every actor one copy of the stage's shard writer. The
-writer loads its model or tokenizers on its first shard, so an actor loads them once and then takes
-shard after shard as it becomes idle. Each shard is one actor task that runs the executor's
+the command) connects to a Ray cluster (`--ray-address`, else RAY_ADDRESS, else the cluster that
+`ray start` started on this machine, else a Ray started for the run), starts `--workers` actors,
+each with `--num-cpus-per-worker` CPUs and `--num-gpus-per-worker` GPUs, and hands every actor one
+copy of the stage's shard writer. The writer loads its model or tokenizers on its first shard, so
+an actor loads them once and then takes shard after shard as it becomes idle. Each shard is one actor task that runs the executor's
 own `_write_shard` (temporary name, rename, completion marker), on the output directory the
 workers see (a shared file system; object storage once paths take URLs). The driver writes the
 stats and the manifest, as with local workers.
@@ -41,7 +41,8 @@ class EngineConfig:
                                   "(actors of a Ray cluster; --workers actors, one driver, no --rank).",
                          choices=ENGINES)
     ray_address: str | None = option(None, "The Ray cluster of --engine ray: host:port of its head, or 'auto' "
-                                           "(default: RAY_ADDRESS, else a Ray started on this machine for the run).")
+                                           "(default: RAY_ADDRESS, else this machine's `ray start` cluster, else a Ray "
+                                           "started for the run).")
     num_cpus_per_worker: float = option(1.0, "CPUs Ray reserves for each worker actor (--engine ray).")
     num_gpus_per_worker: float = option(0.0, "GPUs Ray reserves for each worker actor (--engine ray); the actor "
                                              "sees them as cuda:0, ...")
