@@ -32,7 +32,9 @@ def ray_cluster(tmp_path_factory):
         patch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{path}" if path else str(REPO))
         patch.setenv("OMP_NUM_THREADS", "1")
         patch.setenv("CSD_HASH_CACHE", str(tmp_path_factory.mktemp("hash-cache")))
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from bench.bench_engines import start_local_ray
+
+        start_local_ray(num_cpus=2)
         try:
             yield ray.get_runtime_context().gcs_address
         finally:
