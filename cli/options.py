@@ -2,8 +2,8 @@
 
 `config_option(AlignConfig, "max_student_tokens")` is the flag `--max-student-tokens` with the
 field's default and help; the parsed value reaches the command under the field's name, in the
-field's unit, ready for `AlignConfig(**values)`. `placement_options` adds `--workers`, `--rank`
-and `--world-size` (the executor's `Placement`).
+field's unit, ready for `AlignConfig(**values)`. `placement_options` adds `--workers`, `--rank`,
+`--world-size` (the executor's `Placement`) and the engine's options (`EngineConfig`).
 """
 
 from __future__ import annotations
@@ -71,15 +71,22 @@ def _in_unit(value: float, unit: int, flag: str) -> int:
 
 
 def placement_options(workers_help: str, who: str, who_plural: str):
-    """`--workers`, `--rank` and `--world-size` of a stage command (`executor.Placement`); `who` is what
-    a rank is ("machine", "process")."""
+    """`--workers`, `--rank`, `--world-size` and the engine's options (`--engine`, `--ray-address`, ...) of a
+    stage command (`executor.Placement`, `ray_engine.EngineConfig`); `who` is what a rank is ("machine",
+    "process")."""
     from csd_pipeline.runtime.executor import Placement
+    from csd_pipeline.runtime.ray_engine import EngineConfig
 
     options = (
-        click.option("--workers", default=Placement.workers, show_default=True, type=int, help=workers_help),
+        click.option("--workers", default=Placement.workers, show_default=True, type=int,
+                     help=f"{workers_help} With --engine ray: Ray actors."),
         click.option("--rank", type=int, default=None, help=f"This {who}'s rank (default: RANK or SLURM_PROCID, else 0)."),
         click.option("--world-size", type=int, default=None,
                      help=f"Number of {who_plural} (default: WORLD_SIZE or SLURM_NTASKS, else 1)."),
+        config_option(EngineConfig, "engine"),
+        config_option(EngineConfig, "ray_address"),
+        config_option(EngineConfig, "num_cpus_per_worker"),
+        config_option(EngineConfig, "num_gpus_per_worker"),
     )
 
     def decorate(command):

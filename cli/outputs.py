@@ -62,15 +62,18 @@ def inspect(directory, as_json):
 
 def run_stage_command(config_cls, run, options: dict, on_complete=None) -> None:
     """Build `config_cls` from a stage command's parsed `options`, `run(config, rank=, world_size=, workers=,
-    log=)` for this rank (progress on stderr unless --quiet), call `on_complete(config.output)` when the
+    engine=, log=)` for this rank (progress on stderr unless --quiet), call `on_complete(config.output)` when the
     output is complete, then (unless --quiet) say where the run stands (`echo_run_report`)."""
     from csd_pipeline.runtime.progress import set_quiet
+    from csd_pipeline.runtime.ray_engine import EngineConfig
 
     quiet = options["quiet"]
     config = config_cls(**values_for(config_cls, options))
+    engine = EngineConfig(**values_for(EngineConfig, options))
     log = None if quiet else (lambda message: click.echo(message, err=True))
     set_quiet(quiet)
-    report = run(config, rank=options["rank"], world_size=options["world_size"], workers=options["workers"], log=log)
+    report = run(config, rank=options["rank"], world_size=options["world_size"], workers=options["workers"],
+                 engine=engine, log=log)
     if report.complete and on_complete is not None:
         on_complete(config.output)
     if not quiet:

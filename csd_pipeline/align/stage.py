@@ -29,15 +29,16 @@ TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors
 
 
 def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int | None = None, workers: int = 1,
-              log=None, tokenizers: AlignTokenizers | None = None):
+              engine=None, log=None, tokenizers: AlignTokenizers | None = None):
     """Run (or resume) the align stage for this rank; returns the executor's `RunReport`.
 
-    tokenizers: already loaded tokenizers of `config` (default: load them). Raises `CsdError` for a
+    engine: the `EngineConfig` (default: local). tokenizers: already loaded tokenizers of `config`
+    (default: load them). Raises `CsdError` for a
     bad option, a missing corpus path, an unsupported tokenizer, tables that do not match the
     tokenizers, or an output directory holding another run.
     """
     return run_configured(config, lambda: AlignStage(config, tokenizers), rank=rank, world_size=world_size,
-                          workers=workers, log=log)
+                          workers=workers, engine=engine, log=log)
 
 
 class AlignStage(Stage):

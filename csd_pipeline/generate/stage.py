@@ -42,10 +42,11 @@ WHITESPACE = " \t\r\n\f\v"
 
 
 def run_generate(config: GenerateConfig, *, rank: int | None = None, world_size: int | None = None, workers: int = 1,
-                 log=None):
-    """Run (or resume) the generate stage for this rank; returns the executor's `RunReport`."""
+                 engine=None, log=None):
+    """Run (or resume) the generate stage for this rank (engine: the `EngineConfig`, default local); returns
+    the executor's `RunReport`."""
     return run_configured(config, lambda: GenerateStage(config, log), rank=rank, world_size=world_size,
-                          workers=workers, log=log)
+                          workers=workers, engine=engine, log=log)
 
 
 class GenerateStage(Stage):

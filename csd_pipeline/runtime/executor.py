@@ -9,7 +9,8 @@ file's input) and its shard writer. `run_stage(stage, placement)`:
 2. plans once: a re-run resumes the plan recorded in `DIR/run.json` and never plans again; a new
    run asks the stage for its plan and records it;
 3. lets the stage `prepare` the directory (the align stage's tables);
-4. runs this rank's tasks, `tasks[rank::world_size]`, in `workers` processes; each shard is written
+4. runs this rank's tasks, `tasks[rank::world_size]`, in `workers` processes (or, with `--engine
+   ray`, `workers` Ray actors: `ray_engine.py`); each shard is written
    by the stage's shard writer to a temporary name, then renamed, then its completion marker
    `DIR/done/<name>.done` (rows, bytes, sha256, stats) is written; shards with a marker are skipped,
    so a killed run resumes where it stopped and ends with the same bytes;
@@ -37,6 +38,7 @@ from csd_pipeline.runtime.files import atomic_write_json, commit, file_sha256, r
 from csd_pipeline.runtime.io_errors import discard, reason_and_advice
 from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
 from csd_pipeline.runtime.manifest import MANIFEST_NAME
+from csd_pipeline.runtime.ray_engine import EngineConfig, preflight
 from csd_pipeline.runtime.run_record import (
     check_identity,
     finalize,
@@ -87,19 +89,30 @@ def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tupl
 
 @dataclass(frozen=True)
 class Placement:
-    """Where this process's part of a stage runs: its rank of `world_size`, in `workers` processes."""
+    """Where this process's part of a stage runs: its rank of `world_size`, in `workers` processes
+    (`--engine local`) or Ray actors (`--engine ray`: one driver, rank 0 of 1)."""
 
     rank: int = 0
     world_size: int = 1
     workers: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     @classmethod
-    def resolve(cls, rank: int | None = None, world_size: int | None = None, workers: int = 1) -> Placement:
+    def resolve(cls, rank: int | None = None, world_size: int | None = None, workers: int = 1,
+                engine: EngineConfig | None = None) -> Placement:
         """From the flags (see `resolve_rank` for the environment). Raises `CsdError` for bad values."""
+        engine = engine or EngineConfig()
+        engine.validate()
+        if engine.is_ray:  # the driver runs every shard; RANK or SLURM_PROCID of a launcher do not apply
+            if (world_size or 1) > 1:
+                raise CsdError("--engine ray runs every shard from one driver; drop --rank/--world-size, or use "
+                               "--engine local under torchrun or SLURM.")
+            rank, world_size = 0, 1
+            preflight(engine)
         rank, world_size = resolve_rank(rank, world_size)
         if workers < 1:
             raise CsdError(f"--workers {workers} is not positive; pass --workers 1 or more.")
-        return cls(rank, world_size, workers)
+        return cls(rank, world_size, workers, engine)
 
 
 def shard_name(rank: int, index: int) -> str:
@@ -215,12 +228,13 @@ def check_output_dir(out: Path) -> None:
 
 
 def run_configured(config, build: Callable[[], Stage], *, rank: int | None = None, world_size: int | None = None,
-                   workers: int = 1, log: Callable[[str], None] | None = None) -> RunReport:
+                   workers: int = 1, engine: EngineConfig | None = None,
+                   log: Callable[[str], None] | None = None) -> RunReport:
     """What a stage's entry point (`run_align`, `run_teacher_logits`, `run_generate`) does: validate
     `config` and resolve this process's `Placement` (both before anything is loaded), then `build()`
     the stage and run it (`run_stage`). Raises `CsdError` for a bad option or placement."""
     config.validate()
-    placement = Placement.resolve(rank, world_size, workers)
+    placement = Placement.resolve(rank, world_size, workers, engine)
     return run_stage(build(), placement, log=log)
 
 
@@ -265,14 +279,21 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
     workers = max(1, min(placement.workers, len(pending)))
     with progress.StageProgress(stage.name, pending, stage.work, stage.work_unit, rank) as tracker:
         log = tracker.wrap_log(log)
-        if pending and workers == 1:
+
+        def done(task: ShardTask, marker: dict) -> None:
+            tracker.shard_done(task)
+            log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+
+        if pending and placement.engine.is_ray:
+            from csd_pipeline.runtime.ray_engine import run_on_ray
+
+            run_on_ray(placement.engine, stage.shard_writer(), pending, workers, out, stage.suffix, done)
+        elif pending and workers == 1:
             writer = stage.shard_writer()
             for task in pending:
-                marker = _write_shard(writer, task, out, stage.suffix)
-                tracker.shard_done(task)
-                log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+                done(task, _write_shard(writer, task, out, stage.suffix))
         elif pending:
-            _run_in_workers(stage, pending, workers, out, rank, log, tracker)
+            _run_in_workers(stage, pending, workers, out, rank, tracker, done)
     write_rank_stats(out, record, rank, world_size)
     manifest = finalize(out, log=log)
     return RunReport(rank, world_size, [t.name for t in pending], skipped, manifest is not None, manifest is not None)
@@ -342,8 +363,8 @@ def _worker_write_shard(task: ShardTask, out: Path, suffix: str) -> dict:
     return marker
 
 
-def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: Path, rank: int, log,
-                    tracker: progress.StageProgress) -> None:
+def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: Path, rank: int,
+                    tracker: progress.StageProgress, done: Callable[[ShardTask, dict], None]) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
@@ -355,9 +376,7 @@ def _run_in_workers(stage: Stage, pending: list[ShardTask], workers: int, out: P
             futures = {pool.submit(_worker_write_shard, task, out, stage.suffix): task for task in pending}
             try:
                 for future in as_completed(futures):
-                    marker = future.result()
-                    tracker.shard_done(futures[future])
-                    log(f"rank {rank}: wrote {marker['file']} ({marker['rows']} rows)")
+                    done(futures[future], future.result())
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)  # one shard failed: start no other
                 raise

@@ -33,14 +33,15 @@ from schemas.teacher_topk import SCHEMA_VERSION, STAGE
 
 
 def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, world_size: int | None = None,
-                       workers: int = 1, log=None):
-    """Run (or resume) the teacher-logits stage for this rank; returns the executor's `RunReport`.
+                       workers: int = 1, engine=None, log=None):
+    """Run (or resume) the teacher-logits stage for this rank (engine: the `EngineConfig`, default local);
+    returns the executor's `RunReport`.
 
     Raises CsdError for a bad option, an aligned directory without a (known) manifest, a teacher
     that does not match the aligned teacher tokenizer, or an unwritable output directory.
     """
     return run_configured(config, lambda: TeacherLogitsStage(config, log), rank=rank, world_size=world_size,
-                          workers=workers, log=log)
+                          workers=workers, engine=engine, log=log)
 
 
 class TeacherLogitsStage(Stage):
