@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from csd_pipeline.teacher.reader import TeacherTopkRow
+from csd_pipeline.teacher.store.reader import TeacherTopkRow
 from trainer.loader import keep_most_likely
 
 

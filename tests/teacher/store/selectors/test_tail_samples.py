@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from csd_pipeline.teacher.codec import MAX_ABS_ERROR, decode_block, encode_block
-from csd_pipeline.teacher.tail_samples import block_seed, draw_tail, merge_tail
+from csd_pipeline.teacher.store.codec import MAX_ABS_ERROR, decode_block, encode_block
+from csd_pipeline.teacher.store.selectors.tail_samples import block_seed, draw_tail, merge_tail
 
 VOCAB, OUTPUTS, K, DRAWS = 40, 44, 6, 8  # 4 padded output rows beyond the tokenizer's 40 ids
 

@@ -17,9 +17,9 @@ import torch
 
 from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, build_row_events, read_aligned_chunks
-from csd_pipeline.teacher.codec import decode_block, encode_block
-from csd_pipeline.teacher.event_entries import event_entry_mask, keep_marked
 from csd_pipeline.teacher.row import TeacherTopkRow
+from csd_pipeline.teacher.store.codec import decode_block, encode_block
+from csd_pipeline.teacher.store.selectors.csd_events import event_entry_mask, keep_marked
 from tests.csd_cases import PairCase, topk_from_dense
 
 TOP_K = 16

@@ -99,20 +99,27 @@ class RowStatus(IntEnum):
     infinite; the row is rejected (counted as `rejected.non_finite` in the stats) and holds no values."""
 
 
-def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep: str = "top-k",
-                        min_p: float | None = None, tail_samples: int = 0):
+SELECTOR_METADATA = (b"csd.top_p", b"csd.keep", b"csd.min_p", b"csd.tail_samples")
+"""The schema metadata keys the selectors write (`selectors/`), in the order version 2 writes them; `csd.top_p`
+is always there ("" without --top-p), the others only when their selector is set."""
+
+
+def teacher_topk_schema(k: int, encoding: str, selector_metadata: dict | None = None):
     """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
-    The schema metadata records the schema name and version, k, the encoding name, the `--top-p`
-    mass bound (`top_p`, None for a fixed top-k), `csd.keep` = "csd-events" for a store of only the
-    entries CSD reads (`--keep csd-events`; absent for a whole top-k), `csd.min_p` the `--min-p` ratio
-    (absent without it), `csd.tail_samples` the `--tail-samples` draws (absent without them) and that the pages carry
-    checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
+    The schema metadata records the schema name and version, k, the encoding name, the keys the store's
+    selectors declare (`selector_metadata`, `SelectorChain.metadata()`: `csd.top_p`, `csd.keep`, `csd.min_p`,
+    `csd.tail_samples`; the reader checks them against the manifest) and that the pages carry checksums
+    (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
 
     from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
 
+    selector_metadata = {b"csd.top_p": b"", **(selector_metadata or {})}
+    unknown = set(selector_metadata) - set(SELECTOR_METADATA)
+    if unknown:
+        raise ValueError(f"selector metadata keys {sorted(unknown)} are not in SELECTOR_METADATA")
     fields = [
         pa.field("row_id", pa.string(), nullable=False),
         pa.field("status", pa.uint8(), nullable=False),
@@ -125,10 +132,7 @@ def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep:
         b"csd.schema_version": str(SCHEMA_VERSION).encode(),
         b"csd.k": str(k).encode(),
         b"csd.encoding": encoding.encode(),
-        b"csd.top_p": b"" if top_p is None else repr(float(top_p)).encode(),
-        **({} if keep == "top-k" else {b"csd.keep": keep.encode()}),
-        **({} if min_p is None else {b"csd.min_p": repr(float(min_p)).encode()}),
-        **({b"csd.tail_samples": str(int(tail_samples)).encode()} if tail_samples else {}),
+        **{key: selector_metadata[key] for key in SELECTOR_METADATA if key in selector_metadata},
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)
