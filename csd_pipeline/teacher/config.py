@@ -13,7 +13,7 @@ from csd_pipeline.runtime.options import option
 
 KEEP_CHOICES = ("top-k", "csd-events")
 """`--keep`: every entry of the (mass-adaptive) top-k, or only those the CSD loss turns into events
-with the aligned directory's tables (`teacher/event_entries.py`)."""
+with the aligned directory's tables (`teacher/store/selectors/csd_events.py`)."""
 
 
 @dataclass
