@@ -40,7 +40,7 @@ def test_one_check_refuses_stores_whose_values_are_not_exact(option, tmp_path):
         output.require_exact("--loss uld", "fix it")
 
 
-def _rows(count: int, width: int, rng):
+def hand_made_rows(count: int, width: int, rng):
     """Hand-made teacher rows (no teacher: the writer takes rows from any source) and their token ids."""
     from csd_pipeline.teacher.row import TeacherTopkRow
 
@@ -66,7 +66,7 @@ def test_the_reader_checks_each_shards_selectors_against_the_manifest(tmp_path):
 
     config = {"top_k": 6, "top_p": None, "min_p": 0.02, "teacher_index": 0}
     chain = chain_from_config(config)
-    rows, tokens = _rows(7, 6, np.random.default_rng(1))
+    rows, tokens = hand_made_rows(7, 6, np.random.default_rng(1))
     row_ids = [f"doc:{i}:0" for i in range(len(rows))]
     stats = write_store(tmp_path / "part.parquet", chain, row_ids, tokens, lambda start, end: rows[start:end], 16)
     assert stats["positions"] == sum(len(t) for t in tokens) and stats["entries"] == sum(int(r.lengths.sum()) for r in rows)

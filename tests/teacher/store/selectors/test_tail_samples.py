@@ -17,8 +17,9 @@ from csd_pipeline.teacher.store.selectors.tail_samples import block_seed, draw_t
 VOCAB, OUTPUTS, K, DRAWS = 40, 44, 6, 8  # 4 padded output rows beyond the tokenizer's 40 ids
 
 
-def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: int):
-    """draw_tail + merge_tail as the runner calls them, on float32 logits [P, OUTPUTS]."""
+def softmax_chunk(logits64: np.ndarray, next_ids: np.ndarray):
+    """What the runner holds of a chunk of positions (torch, float32 logits [P, OUTPUTS]): the top-K values and ids,
+    exp(logit - peak), its sum, the normaliser, the next ids and the observed log-probs (NaN where none)."""
     import torch
 
     logits = torch.from_numpy(logits64.astype(np.float32))
@@ -28,10 +29,18 @@ def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: i
     total = weights.sum(dim=-1)
     lse = peak + torch.log(total)
     nxt = torch.from_numpy(next_ids)
-    draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept), nxt, total, DRAWS,
-                                torch.Generator().manual_seed(seed), VOCAB)
     observed = (logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse).numpy()
     observed[next_ids < 0] = np.nan
+    return values, indices, weights, total, lse, nxt, observed
+
+
+def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: int):
+    """draw_tail + merge_tail as the runner calls them, on float32 logits [P, OUTPUTS]."""
+    import torch
+
+    values, indices, weights, total, lse, nxt, observed = softmax_chunk(logits64, next_ids)
+    draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept), nxt, total, DRAWS,
+                                torch.Generator().manual_seed(seed), VOCAB)
     ids, logprobs, lengths = merge_tail(indices.numpy(), (values - lse[:, None]).numpy(), kept, draws.numpy(),
                                         log_tail.numpy(), next_ids, observed)
     return ids, logprobs, lengths, observed
@@ -129,15 +138,7 @@ def test_the_selector_draws_as_the_two_steps_do(positions):
     assert selector.identity() == {"tail_samples": DRAWS, "sample_seed": 3}
     assert selector.metadata() == {b"csd.tail_samples": str(DRAWS).encode()}
     assert chain.block_seed("row") == block_seed(3, "row") != chain.block_seed("other")
-    logits = torch.from_numpy(logits64.astype(np.float32))
-    values, indices = torch.topk(logits[:, :VOCAB], K, dim=-1)
-    peak = logits.amax(dim=-1)
-    weights = (logits - peak[:, None]).exp()
-    total = weights.sum(dim=-1)
-    lse = peak + torch.log(total)
-    nxt = torch.from_numpy(next_ids)
-    observed = (logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse).numpy()
-    observed[next_ids < 0] = np.nan
+    values, indices, weights, total, lse, nxt, observed = softmax_chunk(logits64, next_ids)
     entries = Entries(indices.numpy().astype(np.int32), (values - lse[:, None]).numpy(), kept.astype(np.int64),
                       observed, next_ids)
     with pytest.raises(ValueError, match="whole distribution"):
