@@ -72,10 +72,10 @@ class TeacherShard(Sequence):
             self.k = int(metadata[b"csd.k"])
             top_p = metadata.get(b"csd.top_p", b"").decode()
             self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
-            from csd_pipeline.teacher.store.schema import SELECTOR_METADATA
+            from csd_pipeline.teacher.store.schema import selector_metadata_of
 
             # what the selectors recorded (`SelectorChain.metadata()`), for `TeacherTopkOutput.shard` to check
-            self.selector_metadata = {key: metadata[key] for key in SELECTOR_METADATA if key in metadata}
+            self.selector_metadata = selector_metadata_of(metadata)
         except (UnicodeDecodeError, ValueError, KeyError, OSError, pa.ArrowException) as err:
             raise CsdError(f"teacher shard {self.path}: its schema metadata is damaged ({type(err).__name__}); the "
                            "file is corrupt, re-run teacher-logits.") from None

@@ -86,16 +86,27 @@ class RowStatus(IntEnum):
 
 
 SELECTOR_METADATA = (b"csd.top_p", b"csd.keep", b"csd.min_p", b"csd.tail_samples")
-"""The schema metadata keys the selectors write (`selectors/`), in the order version 2 writes them; `csd.top_p`
-is always there ("" without --top-p), the others only when their selector is set."""
+"""The schema metadata keys of the selectors (`selectors/`) in the order version 2 writes them, after the
+format's own keys (`FORMAT_METADATA`); `csd.top_p` is always there ("" without --top-p), the others only when
+their selector is set. A selector's key not listed here follows them, in the order of the selectors."""
+
+FORMAT_METADATA = (b"csd.schema", b"csd.schema_version", b"csd.k", b"csd.encoding")
+
+
+def selector_metadata_of(metadata: dict) -> dict:
+    """The selectors' keys of a shard's schema metadata: every `csd.` key but the format's and the checksum mark."""
+    from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
+
+    return {key: value for key, value in metadata.items()
+            if key.startswith(b"csd.") and key not in FORMAT_METADATA and key not in PAGE_CHECKSUM_MARK}
 
 
 def teacher_topk_schema(k: int, encoding: str, selector_metadata: dict | None = None):
     """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
     The schema metadata records the schema name and version, k, the encoding name, the keys the store's
-    selectors declare (`selector_metadata`, `SelectorChain.metadata()`: `csd.top_p`, `csd.keep`, `csd.min_p`,
-    `csd.tail_samples`; the reader checks them against the manifest) and that the pages carry checksums
+    selectors declare (`selector_metadata`, `SelectorChain.metadata()`, ordered as `SELECTOR_METADATA` says; the
+    reader checks them against the manifest) and that the pages carry checksums
     (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
@@ -103,9 +114,8 @@ def teacher_topk_schema(k: int, encoding: str, selector_metadata: dict | None = 
     from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
 
     selector_metadata = {b"csd.top_p": b"", **(selector_metadata or {})}
-    unknown = set(selector_metadata) - set(SELECTOR_METADATA)
-    if unknown:
-        raise ValueError(f"selector metadata keys {sorted(unknown)} are not in SELECTOR_METADATA")
+    ordered = [key for key in SELECTOR_METADATA if key in selector_metadata]
+    ordered += [key for key in selector_metadata if key not in SELECTOR_METADATA]
     fields = [
         pa.field("row_id", pa.string(), nullable=False),
         pa.field("status", pa.uint8(), nullable=False),
@@ -118,7 +128,7 @@ def teacher_topk_schema(k: int, encoding: str, selector_metadata: dict | None = 
         b"csd.schema_version": str(SCHEMA_VERSION).encode(),
         b"csd.k": str(k).encode(),
         b"csd.encoding": encoding.encode(),
-        **{key: selector_metadata[key] for key in SELECTOR_METADATA if key in selector_metadata},
+        **{key: selector_metadata[key] for key in ordered},
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)
