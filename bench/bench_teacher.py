@@ -166,7 +166,7 @@ class ForwardClock:
 def _forward_only(runner, rows, block_positions: int, own_path: bool) -> float:
     """Seconds of the teacher's forward alone on the batches the stage forms for these rows."""
     from csd_pipeline.teacher.runner import plan_batches
-    from csd_pipeline.teacher.shard_writer import block_ranges
+    from csd_pipeline.teacher.store.writer import block_ranges
 
     start_time = time.perf_counter()
     for start, end in block_ranges([len(r) for r in rows], block_positions):
@@ -229,7 +229,7 @@ def _measure_shard(runner, clock: ForwardClock, aligned, shard, target: Path, *,
         clock.active = True
         with sampler if sampler is not None else nullcontext():
             row_ids, shard_rows = aligned.teacher_rows(shard, 0)
-            result = write_teacher_shard(runner, row_ids, shard_rows, target, block_positions)
+            result = write_teacher_shard(runner, runner.chain, row_ids, shard_rows, target, block_positions)
         clock.active = False
 
     steps = {name: (lambda own=(name == "own_forward"): _forward_only(runner, rows, block_positions, own_path=own))
@@ -250,7 +250,7 @@ def _decode_error(runner, shard_file: Path, rows) -> dict:
     import numpy as np
     import torch
 
-    from csd_pipeline.teacher.reader import TeacherShard
+    from csd_pipeline.teacher.store.reader import TeacherShard
 
     worst_top, worst_observed, values = 0.0, 0.0, 0
     for stored, ids in zip(TeacherShard(shard_file), rows):

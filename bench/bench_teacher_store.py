@@ -2,8 +2,9 @@
 
 The real SmolLM2-135M-Instruct teacher runs once over `bench/corpus/kinds.jsonl` (six kinds of
 text, one aligned shard each, gpt-2 student, 1024-token windows) with its top-128; each setting
-then writes the shard exactly as `teacher-logits` would (`write_teacher_shard`, same blocks, same
-Parquet file) from those same values:
+then goes, per setting, through that setting's selectors (`csd_pipeline/teacher/store/selectors/`, built
+from the setting's options as `teacher-logits` builds them) and the store's writer (`write_store`, same blocks,
+same Parquet file), from those same values:
 
 - `top-128`, `top-64`, `top-32`: a fixed top-k (`--top-k 128`, ...);
 - `p0.99`, `p0.95`, `p0.90`: the mass-adaptive top-k (`--top-p P --top-k 128`): per position the most
@@ -22,8 +23,8 @@ Reported per kind and over all kinds: shard-file bytes per position, entries per
 share of positions with 1 entry and with 128), the teacher mass the stored entries hold, and how
 often the observed next token is among them. `pooled_block` encodes every kind's positions as one
 block (what a large shard's 64k-position blocks see: LZMA warmed up) for the scale sheet. A real
-`TeacherRunner(top_p=0.99)` run on the first kind must write the same bytes as its `p0.99` file, and a
-real top-128 run with the stage's event selection the same bytes as its `events128` file.
+`TeacherRunner` with the `p0.99` selectors run on the first kind must write the same bytes as its `p0.99`
+file, and a real top-128 run with the stage's event selection the same bytes as its `events128` file.
 
 `--teacher gemma3-270m` runs the Gemma 3 270M teacher (262,144 ids; aligned for its own tokenizer)
 instead; `--chars N` keeps the first N characters of each kind (default 16,000; 2,000 in quick mode).
@@ -37,7 +38,6 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,34 +59,27 @@ SETTINGS = {"top-128": (128, None, "top-k", None), "top-64": (64, None, "top-k",
 TAIL_SETTINGS = {"events-min0.01-s32": (0.01, 32), "events-min0.02-s48": (0.02, 48)}
 
 
-class _Replay:
-    """A stand-in for `TeacherRunner` that hands back values computed once (per setting: k, top_p, min_p)."""
+def _chains(aligned) -> dict:
+    """Each setting's `SelectorChain`, built from its options as `teacher-logits` builds it; the settings with
+    `--keep csd-events` share one selector (one set of tables loaded)."""
+    from csd_pipeline.teacher.store.selectors import SelectorChain, chain_from_config
 
-    def __init__(self, results: dict, device, top_k: int, top_p: float | None, min_p: float | None = None):
-        self.results, self.device, self.top_k, self.top_p, self.min_p = results, device, top_k, top_p, min_p
-        self.width, self.tail_samples = top_k, 0  # no draws: those need the whole distribution (TAIL_SETTINGS)
-
-    def run(self, rows):
-        from csd_pipeline.teacher.runner import kept_lengths
-
-        out = []
-        for row in rows:
-            full = self.results[id(row)]
-            ids, logprobs = full.ids[:, :self.top_k], full.logprobs[:, :self.top_k]
-            lengths = kept_lengths(logprobs, self.top_p, self.min_p)
-            out.append(replace(full, ids=ids, logprobs=logprobs, lengths=lengths))
-        return out
-
-
-def _stored(replay: _Replay, rows, select) -> list:
-    """What `write_teacher_shard` stores of `rows` for one setting: the replayed rows, `select`ed."""
-    results = replay.run(rows)
-    return results if select is None else [select(i, r) for i, r in enumerate(results)]
+    chains, shared = {}, None
+    for name, (top_k, top_p, keep, min_p) in SETTINGS.items():
+        chain = chain_from_config({"top_k": top_k, "top_p": top_p, "keep": keep, "min_p": min_p}, aligned)
+        if keep == "csd-events":
+            shared = shared or chain.selectors[-1]
+            chain = SelectorChain((*chain.selectors[:-1], shared))
+        chains[name] = chain
+    for name, (min_p, samples) in TAIL_SETTINGS.items():
+        chains[name] = chain_from_config({"top_k": STORED_K, "min_p": min_p, "tail_samples": samples,
+                                          "keep": "csd-events"}, aligned)
+    return chains
 
 
 def _coverage(stored, top_k: int, rows) -> dict:
     """Entries per position, the stored teacher mass and the observed token among the stored entries
-    (`stored`: what `_stored` gives for one setting)."""
+    (`stored`: the rows one setting stores)."""
     import numpy as np
 
     counts, mass, hits, observed = [], [], 0, 0
@@ -105,7 +98,7 @@ def _coverage(stored, top_k: int, rows) -> dict:
 
 def _pooled_block(stored, all_rows, top_k: int) -> float:
     """Payload bytes per position when every kind's positions (`stored`, one setting's) form one block."""
-    from csd_pipeline.teacher.shard_writer import encode_rows
+    from csd_pipeline.teacher.store.writer import encode_rows
 
     payload, stats = encode_rows(stored, all_rows, top_k)
     return len(payload) / stats["positions"]
@@ -138,14 +131,13 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
 
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.errors import CsdError
-    from csd_pipeline.events.context import EventContext
     from csd_pipeline.fixtures.names import model_path, tokenizer_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.teacher.config import TeacherLogitsConfig
-    from csd_pipeline.teacher.event_entries import event_selector
     from csd_pipeline.teacher.runner import TeacherRunner
     from csd_pipeline.teacher.shard_writer import write_teacher_shard
-    from csd_pipeline.vocab.tables import load_table
+    from csd_pipeline.teacher.store.selectors import chain_from_config
+    from csd_pipeline.teacher.store.writer import write_store
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     if teacher not in TEACHER_TOKENIZERS:
@@ -158,12 +150,11 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
         aligned_dir, files = _align(tmp, quick, TEACHER_TOKENIZERS[teacher], chars, student)
         kinds = [Path(name).stem.split("-", 1)[1] for name in files]
         aligned = AlignedOutput.open(aligned_dir)
-        context = EventContext(*(load_table(path) for path in aligned.tables(0)))
+        chains = _chains(aligned)
         loaded = load_causal_lm(str(model_path(teacher)), device="cpu")
         runner = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192)
         tail_runners = {name: TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192,
-                                            min_p=min_p, tail_samples=samples)
-                        for name, (min_p, samples) in TAIL_SETTINGS.items()}
+                                            selectors=chains[name].position_selectors()) for name in TAIL_SETTINGS}
         totals = {name: [0, 0] for name in [*SETTINGS, *TAIL_SETTINGS]}
         tail_entries = {name: 0 for name in TAIL_SETTINGS}
         all_rows, coverage_rows = [], {name: [] for name in SETTINGS}
@@ -171,26 +162,28 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
         began = time.perf_counter()
         for index, (kind, shard) in enumerate(zip(kinds, aligned.shards)):
             row_ids, rows = aligned.teacher_rows(shard, 0)
-            select = event_selector(aligned.read(shard, aligned.training_columns([0])).to_pylist(), 0, context)
+            aligned_rows = aligned.read(shard, aligned.training_columns([0])).to_pylist()
             results = runner.run(rows)
             all_rows += rows
-            for name, (top_k, top_p, keep, min_p) in SETTINGS.items():
-                target = tmp / f"{name}-{index}.parquet"
-                replay = _Replay({id(r): res for r, res in zip(rows, results)}, runner.device, top_k, top_p, min_p)
-                chosen = select if keep == "csd-events" else None
-                stats = write_teacher_shard(replay, row_ids, rows, target, block, chosen).stats
+            for name, (top_k, *_) in SETTINGS.items():
+                target, chain = tmp / f"{name}-{index}.parquet", chains[name]
+                chosen = chain.row_cut(aligned_rows)
+                cut = [chain.cut_row(result, row) for result, row in zip(results, rows)]  # the forward's selectors
+                stats = write_store(target, chain, row_ids, rows, lambda start, end, cut=cut: cut[start:end], block, chosen)
                 size = target.stat().st_size
                 totals[name][0] += size
                 totals[name][1] += stats["positions"]
                 metrics[f"{kind}/{name}/bytes_per_position"] = round(size / stats["positions"], 2)
-                stored = _stored(replay, rows, chosen)
+                stored = cut if chosen is None else [chosen(i, r) if r.ok else r for i, r in enumerate(cut)]
                 all_stored[name] += stored
                 coverage = _coverage(stored, top_k, rows)
                 coverage_rows[name].append((stats["positions"], coverage))
                 metrics[f"{kind}/{name}/entries_mean"] = round(coverage["entries_mean"], 2)
             for name, tail_runner in tail_runners.items():
                 target = tmp / f"{name}-{index}.parquet"
-                stats = write_teacher_shard(tail_runner, row_ids, rows, target, block, select).stats
+                chain = chains[name]
+                stats = write_teacher_shard(tail_runner, chain, row_ids, rows, target, block,
+                                            chain.row_cut(aligned_rows)).stats
                 totals[name][0] += target.stat().st_size
                 totals[name][1] += stats["positions"]
                 tail_entries[name] += stats["entries"]
@@ -198,10 +191,14 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
                 metrics[f"{kind}/{name}/entries_mean"] = round(stats["entries"] / stats["positions"], 2)
             metrics[f"{kind}/positions"] = sum(len(r) for r in rows)
             if index == 0:  # the real runner (with --top-p; with the event selection) writes what the replay wrote
-                real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192, top_p=0.99)
-                write_teacher_shard(real, row_ids, rows, tmp / "real-p0.99.parquet", block)
+                top_p = chain_from_config({"top_k": STORED_K, "top_p": 0.99})
+                real = TeacherRunner(loaded, top_k=STORED_K, vocab_limit=vocab_limit, batch_tokens=8192,
+                                     selectors=top_p.position_selectors())
+                write_teacher_shard(real, top_p, row_ids, rows, tmp / "real-p0.99.parquet", block)
                 same = (tmp / "real-p0.99.parquet").read_bytes() == (tmp / "p0.99-0.parquet").read_bytes()
-                write_teacher_shard(runner, row_ids, rows, tmp / "real-events128.parquet", block, select)
+                events = chains["events128"]
+                write_teacher_shard(runner, events, row_ids, rows, tmp / "real-events128.parquet", block,
+                                    events.row_cut(aligned_rows))
                 same_events = (tmp / "real-events128.parquet").read_bytes() == (tmp / "events128-0.parquet").read_bytes()
         seconds = time.perf_counter() - began
         for name, (top_k, *_) in SETTINGS.items():

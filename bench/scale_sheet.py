@@ -88,19 +88,16 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
     """Encode / decode positions per CPU-second and payload bytes per position, per setting: the
     teacher's top-128 on the first `positions` teacher positions of the aligned python-docs windows,
     each setting's entries chosen as `teacher-logits` chooses them (the event selection included)."""
-    from dataclasses import replace
-
     import numpy as np
     import torch
 
     from csd_pipeline.align.output import AlignedOutput
-    from csd_pipeline.events.context import EventContext
     from csd_pipeline.fixtures.names import model_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
-    from csd_pipeline.teacher.codec import decode_block, encode_block
-    from csd_pipeline.teacher.event_entries import event_selector
-    from csd_pipeline.teacher.runner import TeacherRunner, kept_lengths
-    from csd_pipeline.vocab.tables import load_table
+    from csd_pipeline.teacher.runner import TeacherRunner
+    from csd_pipeline.teacher.store.codec import decode_block
+    from csd_pipeline.teacher.store.selectors import chain_from_config
+    from csd_pipeline.teacher.store.writer import encode_rows
     from schemas.aligned import teacher_columns
 
     torch.set_num_threads(1)
@@ -118,27 +115,27 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
     began = time.process_time()
     results = runner.run(rows)
     forward = time.process_time() - began
-    select = event_selector(aligned_rows, 0, EventContext(*(load_table(path) for path in aligned.tables(0))))
     observed_ids = np.concatenate([np.append(row[1:], -1) for row in rows])
     out = {"positions": count}
     for name, (k, top_p, min_p, keep, samples) in SETTINGS.items():
-        chosen, drawn, draw_seconds = [], results, 0.0
+        # the setting's selectors, as teacher-logits builds them from its options
+        chain = chain_from_config({"top_k": k, "top_p": top_p, "min_p": min_p, "keep": keep, "tail_samples": samples},
+                                  aligned)
+        drawn, draw_seconds = results, 0.0
         if samples:  # the draws come with the forward: a runner of their own
             tail_runner = TeacherRunner(loaded, top_k=k, vocab_limit=runner.vocab_limit, batch_tokens=8192,
-                                        top_p=top_p, min_p=min_p, tail_samples=samples)
+                                        selectors=chain.position_selectors())
             tail_runner.seed(0)
             began = time.process_time()
             drawn = tail_runner.run(rows)
             draw_seconds = max(time.process_time() - began - forward, 0.0) / count
-        for index, result in enumerate(drawn):
-            row = result if samples else replace(result, ids=result.ids[:, :k], logprobs=result.logprobs[:, :k],
-                                                 lengths=kept_lengths(result.logprobs[:, :k], top_p, min_p))
-            chosen.append(select(index, row) if keep == "csd-events" else row)
-        ids, logprobs = np.concatenate([r.ids for r in chosen]), np.concatenate([r.logprobs for r in chosen])
+        else:  # the top-128 computed once, through the setting's selectors as the forward applies them
+            drawn = [chain.cut_row(result, row) for result, row in zip(results, rows)]
+        select = chain.row_cut(aligned_rows)
+        chosen = drawn if select is None else [select(index, row) for index, row in enumerate(drawn)]
         lengths = np.concatenate([r.lengths for r in chosen])
-        observed = np.concatenate([r.observed_logprob for r in chosen])
         began = time.process_time()
-        payload = encode_block(ids, logprobs, observed_ids, observed, lengths)
+        payload, _ = encode_rows(chosen, rows, chain.width)  # the store writer's encoding of one block
         encode = time.process_time() - began
         began = time.process_time()
         decode_block(payload, observed_ids >= 0)

@@ -16,7 +16,7 @@ def __getattr__(name):
 
         return CsdError
     if name == "read_teacher_topk":
-        from csd_pipeline.teacher.reader import read_teacher_topk
+        from csd_pipeline.teacher.store.reader import read_teacher_topk
 
         return read_teacher_topk
     raise AttributeError(f"module 'csd_pipeline' has no attribute {name!r}")

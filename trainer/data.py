@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from csd_pipeline.align.output import ALIGN_RERUN, AlignedOutput
 from csd_pipeline.errors import CsdError
-from csd_pipeline.teacher.reader import TEACHER_RERUN, TeacherTopkOutput
+from csd_pipeline.teacher.store.reader import TEACHER_RERUN, TeacherTopkOutput
 
 # 2: each rank reads its own span of shards in lanes (trainer/shuffle.py). 1 (every rank took every
 # w-th row of each block) is refused: its positions mean other rows in the new order.
@@ -149,10 +149,9 @@ def _open_teachers(config, aligned: AlignedOutput, loss) -> list[TeacherSource]:
 def _check_top_k(wanted: int, output: TeacherTopkOutput) -> None:
     """`--teacher-top-k` may not ask for more entries than the teacher output stores."""
     stored = (output.manifest.get("config") or {}).get("top_k")
-    if wanted and output.tail_samples:
-        raise CsdError(f"--teacher-top-k {wanted} keeps the most likely stored entries, but {output.directory} also holds "
-                       f"--tail-samples draws at estimated values, which are no top-k; pass --teacher-top-k 0 (all), or "
-                       f"re-run `{TEACHER_RERUN}` with the --top-k you want")
+    if wanted:
+        output.require_exact(f"--teacher-top-k {wanted}", f"pass --teacher-top-k 0 (all), or re-run `{TEACHER_RERUN}` "
+                                                          "with the --top-k you want")
     if wanted and stored is not None and wanted > int(stored):
         raise CsdError(f"--teacher-top-k {wanted} is more than the {stored} entries per position stored in "
                        f"{output.directory}; pass at most {stored} (0: all), or re-run `{TEACHER_RERUN}` with --top-k {wanted}")

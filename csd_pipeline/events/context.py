@@ -76,7 +76,7 @@ class EventContext:
         1:1: the same spelling; 1:N: the observed teacher prefix + it; M:1: it minus the observed student
         prefix; M:N: only the observed spelling (the observed student token's class). The class must exist
         in the student vocabulary. The one rule for the loss (`events.chunk_events`) and for the store that
-        keeps only these entries (`teacher.event_entries`).
+        keeps only these entries (`teacher.store.selectors.csd_events`).
         """
         if teacher_spelling is None:
             return None

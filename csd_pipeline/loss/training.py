@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from csd_pipeline.errors import CsdError
 
-TEACHER_RERUN = "csd-pipeline teacher-logits"  # as `csd_pipeline.teacher.reader.TEACHER_RERUN` words it
+TEACHER_RERUN = "csd-pipeline teacher-logits"  # as `csd_pipeline.teacher.store.reader.TEACHER_RERUN` words it
 
 # name -> "module:class" of each `csd-train --loss`, imported when built
 LOSSES = {
@@ -52,14 +52,8 @@ class TrainingLoss:
         """Raise `CsdError` when the teacher top-k `output` (a `TeacherTopkOutput`) cannot feed this loss."""
         if not self.exact_teacher_values:
             return
-        if output.keep == "csd-events":
-            raise CsdError(f"--loss {self.name} compares the teacher's whole top-k, but {output.directory} keeps only "
-                           f"the entries CSD turns into events (teacher-logits --keep csd-events); use a --loss csd* "
-                           f"arm, or re-run `{TEACHER_RERUN}` with --keep top-k for this loss")
-        if output.tail_samples:
-            raise CsdError(f"--loss {self.name} reads stored values as the teacher's log-probabilities, but "
-                           f"{output.directory} holds --tail-samples draws at estimated values; use a --loss csd* "
-                           f"arm, or re-run `{TEACHER_RERUN}` without --tail-samples for this loss")
+        output.require_exact(f"--loss {self.name}", f"use a --loss csd* arm, or re-run `{TEACHER_RERUN}` with only "
+                                                    "--top-k, --top-p and --min-p for this loss")
 
     def prepare_row(self, aligned_row, teacher_index: int, teacher_row, context, source: str = ""):
         """One window's teacher data for this loss (CPU, numpy; row-local positions)."""

@@ -102,7 +102,7 @@ def teacher_coverage(teacher_dir, aligned_dir, *, max_rows: int = TEACHER_ROWS, 
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.events.context import EventContext
     from csd_pipeline.events.row_events import build_row_events
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
     from csd_pipeline.vocab.tables import load_table
 
     teacher, aligned = TeacherTopkOutput.open(teacher_dir), AlignedOutput.open(aligned_dir)

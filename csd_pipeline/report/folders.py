@@ -11,8 +11,8 @@ from pathlib import Path
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.storage import is_remote, location
+from csd_pipeline.teacher.store.schema import STAGE as TEACHER_STAGE
 from schemas.aligned import STAGE as ALIGN_STAGE
-from schemas.teacher_topk import STAGE as TEACHER_STAGE
 
 KINDS = {ALIGN_STAGE: "aligned", TEACHER_STAGE: "teacher"}
 
@@ -80,7 +80,7 @@ def recognise(directory) -> Folder:
     """The `Folder` of `directory`. Raises `CsdError` (one line, saying what to pass) for anything else."""
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.runtime.manifest import MANIFEST_NAME, read_manifest
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
     from schemas.training_run import METRICS_FILE
 
     path = location(directory)

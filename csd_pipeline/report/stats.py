@@ -197,9 +197,9 @@ def inspect_summary(directory) -> dict:
     Raises `ManifestError`/`CsdError` when the folder is not a complete stage output.
     """
     from csd_pipeline.runtime.manifest import read_manifest
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.schema import STAGE as TEACHER_STAGE
     from schemas.aligned import STAGE as ALIGN_STAGE
-    from schemas.teacher_topk import STAGE as TEACHER_STAGE
 
     manifest = read_manifest(directory)  # any stage; the output's own reader checks its schema version
     aligned = AlignedOutput.open(directory) if manifest["stage"] == ALIGN_STAGE else None

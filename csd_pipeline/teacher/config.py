@@ -13,7 +13,7 @@ from csd_pipeline.runtime.options import option
 
 KEEP_CHOICES = ("top-k", "csd-events")
 """`--keep`: every entry of the (mass-adaptive) top-k, or only those the CSD loss turns into events
-with the aligned directory's tables (`teacher/event_entries.py`)."""
+with the aligned directory's tables (`teacher/store/selectors/csd_events.py`)."""
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TeacherLogitsConfig:
 
     def validate(self) -> None:
         """Raise CsdError naming the option that is out of range."""
-        from csd_pipeline.teacher.codec import MAX_K
+        from csd_pipeline.teacher.store.codec import MAX_K
 
         if not 1 <= self.top_k <= MAX_K:
             raise CsdError(f"--top-k {self.top_k} is out of range; pass a value in [1, {MAX_K}].")

@@ -4,7 +4,7 @@ runner produces, the store reads back and the losses' CPU preparation checks (`e
 Position t predicts teacher token t+1. `ids` int [T, k] and `logprobs` float [T, k] are the stored entries of each
 position, most likely first; the first `lengths[t]` are real, the rest padding (id -1, log-prob -inf: never an
 index). `observed_logprob` float [T]: the log-probability of token t+1 (NaN at the last position). `status`
-(`schemas.teacher_topk.RowStatus`): 0 OK; a rejected row (non-finite values) must be left out of the KD loss (the
+(`csd_pipeline.teacher.store.schema.RowStatus`): 0 OK; a rejected row (non-finite values) must be left out of the KD loss (the
 store keeps it with empty [0, k] arrays). `row_id`: the aligned row's id (None where the runner has not paired it
 yet). Tests may give dense log-probs of the whole vocabulary instead: `ids` None and `logprobs` [T, V].
 """

@@ -8,11 +8,10 @@
   path does not reproduce on a short probe, falls back to the model's own forward.
 - Log-softmax over the model's whole output; ids at or beyond the tokenizer size (padded rows) are
   kept out of the top-k after the normalisation.
-- With `top_p`, each position keeps only its most likely entries until their probabilities reach
-  `top_p` (at most `top_k`; `mass_lengths`); with `min_p`, only the entries at least `min_p` times as
-  likely as its most likely one (`relative_lengths`); with both, the fewer. `TeacherTopkRow.lengths` says how many.
-- With `tail_samples` N, each position also stores N draws from the rest of its distribution, each at
-  an estimate of its probability (`tail_samples.py`), from the generator `seed` sets (0 if never set).
+- Each chunk of positions then goes through the store's position selectors (`store/selectors/`: top-k, top-p,
+  min-p, tail samples), in order; `TeacherTopkRow.lengths` says how many entries each position keeps. A
+  selector that reads the whole distribution (tail samples) gets it (`Distribution`) with the generator `seed`
+  sets (0 if never set).
 - A row with any non-finite value is marked (`finite=False`) for the stage to reject.
 - On a GPU an out-of-memory batch is split in two and retried.
 """
@@ -23,43 +22,11 @@ import numpy as np
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.row import TeacherTopkRow
-from schemas.teacher_topk import RowStatus
+from csd_pipeline.teacher.store.schema import RowStatus
+from csd_pipeline.teacher.store.selectors import Distribution, Entries
 
 LOGIT_CHUNK_ELEMENTS = 1 << 25  # float32 logits held at once: 128 MiB
 PROBE_TOKENS = 16
-
-
-def mass_lengths(logprobs: np.ndarray, top_p: float) -> np.ndarray:
-    """Per position, the smallest n whose n most likely entries hold probability >= top_p, at most k.
-
-    logprobs: float [P, k], each row descending (a top-k). Probabilities are summed in float64. The
-    first entry always counts (n >= 1); where the k entries hold less than top_p, n = k.
-    """
-    probs = np.exp(np.asarray(logprobs, dtype=np.float64))
-    before = np.zeros_like(probs)  # the mass of the entries more likely than each one
-    np.cumsum(probs[:, :-1], axis=1, out=before[:, 1:])
-    return np.maximum(np.count_nonzero(before < top_p, axis=1), 1).astype(np.int64)
-
-
-def relative_lengths(logprobs: np.ndarray, min_p: float) -> np.ndarray:
-    """Per position, how many entries are at least `min_p` times as likely as the most likely one
-    (log-prob >= the first's + log(min_p), compared in float64), at least 1.
-
-    logprobs: float [P, k], each row descending (a top-k). A flat position keeps many entries, a
-    peaked one few: the same log-ratio below the top entry everywhere.
-    """
-    values = np.asarray(logprobs, dtype=np.float64)
-    floor = values[:, :1] + np.log(min_p)
-    return np.maximum(np.count_nonzero(values >= floor, axis=1), 1).astype(np.int64)
-
-
-def kept_lengths(logprobs: np.ndarray, top_p: float | None, min_p: float | None) -> np.ndarray | None:
-    """The entries each position keeps under `--top-p` and `--min-p` (the fewer of the two; None: all)."""
-    kept = None if top_p is None else mass_lengths(logprobs, top_p)
-    if min_p is not None:
-        relative = relative_lengths(logprobs, min_p)
-        kept = relative if kept is None else np.minimum(kept, relative)
-    return kept
 
 
 def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
@@ -78,17 +45,16 @@ def plan_batches(lengths, batch_tokens: int) -> list[list[int]]:
 class TeacherRunner:
     """Computes `TeacherTopkRow`s for rows of teacher token ids with a loaded model (`LoadedModel`).
 
-    vocab_limit: the teacher tokenizer's size; ids >= vocab_limit never enter the top-k. top_p: keep
-    only the most likely entries of each position until they hold this probability (None: all top_k);
-    min_p: keep only the entries at least this many times as likely as the position's most likely one;
-    tail_samples: also store this many draws from the rest of each position's distribution (sample_seed:
-    what `tail_samples.block_seed` derives each block's generator from).
+    top_k: the entries the forward takes per position; vocab_limit: the teacher tokenizer's size (ids >=
+    vocab_limit never enter the top-k); selectors: the store's position selectors (`SelectorChain.
+    position_selectors()`), applied to each chunk in order (default: `TopK(top_k)` alone).
     """
 
     def __init__(self, loaded, *, top_k: int, vocab_limit: int, batch_tokens: int, temperature: float = 1.0,
-                 top_p: float | None = None, min_p: float | None = None, tail_samples: int = 0,
-                 sample_seed: int = 0, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+                 selectors: tuple | None = None, logit_chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
         import torch
+
+        from csd_pipeline.teacher.store.selectors import SelectorChain, TopK
 
         self.loaded = loaded
         self.model = loaded.model.eval()
@@ -101,11 +67,10 @@ class TeacherRunner:
         if top_k > vocab_limit:
             raise CsdError(f"--top-k {top_k} is larger than the teacher vocabulary ({vocab_limit}); pass a smaller --top-k.")
         self.temperature = temperature
-        self.top_p = top_p
-        self.min_p = min_p
-        self.tail_samples = int(tail_samples)
-        self.sample_seed = int(sample_seed)
+        self.selectors = tuple(selectors) if selectors is not None else (TopK(top_k),)
+        self._draws = any(selector.needs_distribution for selector in self.selectors)
         self._generator = None
+        self.chain = SelectorChain(self.selectors)
         self.batch_tokens = batch_tokens
         self.chunk = max(1, logit_chunk_elements // self.output_size)
         self._head = None
@@ -128,8 +93,8 @@ class TeacherRunner:
 
     @property
     def width(self) -> int:
-        """Entries a position can hold: the top-k, and with tail samples the draws and the observed token."""
-        return self.top_k + (self.tail_samples + 1 if self.tail_samples else 0)
+        """Entries a position can hold after the selectors (with tail samples: the draws and the observed token)."""
+        return self.chain.width
 
     # -- logits ----------------------------------------------------------------------------
 
@@ -191,7 +156,7 @@ class TeacherRunner:
             else:
                 logits_all = self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
                 states = logits_all.reshape(-1, logits_all.shape[-1])[flat]
-            ids_out, lp_out, obs_out, ok_out, draws_out, tail_out, kept_out = [], [], [], [], [], [], []
+            entries_out, ok_out = [], []
             for start in range(0, states.shape[0], self.chunk):
                 part = states[start:start + self.chunk]
                 logits = self._head_logits(part) if self._head is not None else part.float()
@@ -209,53 +174,34 @@ class TeacherRunner:
                 logprobs = values - lse[:, None]
                 observed = torch.where(nxt >= 0, observed - lse, torch.full_like(observed, float("nan")))
                 ok = torch.isfinite(lse) & torch.isfinite(logprobs).all(dim=1) & (torch.isfinite(observed) | (nxt < 0))
-                ids_out.append(indices.to(torch.int32).cpu())
-                lp_out.append(logprobs.cpu())
-                obs_out.append(observed.cpu())
                 ok_out.append(ok.cpu())
-                if self.tail_samples:  # `logits` holds exp(logit - peak) now
-                    draws, log_tail, kept = self._draw_tail(logits, indices, logprobs, nxt, torch.exp(lse - peak))
-                    draws_out.append(draws.cpu())
-                    tail_out.append(log_tail.cpu())
-                    kept_out.append(kept)
-        ids_all = torch.cat(ids_out).numpy()
-        lp_all = torch.cat(lp_out).numpy()
-        obs_all = torch.cat(obs_out).numpy()
+                entries = Entries(indices.to(torch.int32).cpu().numpy(), logprobs.cpu().numpy(),
+                                  np.full(part.shape[0], self.top_k, np.int64), observed.cpu().numpy(),
+                                  nxt.cpu().numpy())
+                distribution = None
+                if self._draws:  # `logits` holds exp(logit - peak) now
+                    if self._generator is None:
+                        self.seed(0)
+                    distribution = Distribution(logits, torch.exp(lse - peak), indices, nxt, self.vocab_limit,
+                                                self._generator)
+                for selector in self.selectors:
+                    entries = selector.cut(entries, distribution)
+                entries_out.append(entries)
         ok_all = torch.cat(ok_out).numpy()
-        if not self.tail_samples:
-            kept = kept_lengths(lp_all, self.top_p, self.min_p)
-        else:  # the kept counts the draws were made around, chunk by chunk
-            from csd_pipeline.teacher.tail_samples import merge_tail
-
-            kept = np.concatenate(kept_out)
-            ids_all, lp_all, kept = merge_tail(ids_all, lp_all, kept, torch.cat(draws_out).numpy(),
-                                               torch.cat(tail_out).numpy(), next_ids.cpu().numpy(), obs_all)
+        ids_all = np.concatenate([e.ids for e in entries_out])
+        lp_all = np.concatenate([e.logprobs for e in entries_out])
+        kept = np.concatenate([e.lengths for e in entries_out])
+        obs_all = np.concatenate([e.observed for e in entries_out])
         results, offset = [], 0
         for n in lengths:
             part = slice(offset, offset + n)
             status = RowStatus.OK if ok_all[part].all() else RowStatus.NON_FINITE
-            results.append(TeacherTopkRow(None, ids_all[part], lp_all[part], obs_all[part], int(status),
-                                          None if kept is None else kept[part]))
+            results.append(TeacherTopkRow(None, ids_all[part], lp_all[part], obs_all[part], int(status), kept[part]))
             offset += n
         return results
 
-    def _draw_tail(self, weights, indices, logprobs, next_ids, total):
-        """`tail_samples.draw_tail` for one chunk of positions, around their kept counts (`kept_lengths`; all
-        top_k without a cut). Returns (draws, log_tail, kept int64 numpy [P])."""
-        import torch
-
-        from csd_pipeline.teacher.tail_samples import draw_tail
-
-        kept = kept_lengths(logprobs.cpu().numpy(), self.top_p, self.min_p)
-        kept = np.full(indices.shape[0], self.top_k, np.int64) if kept is None else kept
-        if self._generator is None:
-            self.seed(0)
-        draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept).to(indices.device), next_ids, total,
-                                    self.tail_samples, self._generator, self.vocab_limit)
-        return draws, log_tail, kept
-
     def seed(self, seed: int) -> None:
-        """Seed the generator of the tail draws (`tail_samples.block_seed` per block of rows)."""
+        """Seed the generator of the selectors' draws (`SelectorChain.block_seed` per block of rows)."""
         import torch
 
         self._generator = torch.Generator(device=self.device).manual_seed(int(seed))

@@ -1,19 +1,20 @@
 """The teacher-logits stage: run the teacher once over the aligned shards, keep its top-k.
 
-For every teacher position of every aligned row it stores the top-k token ids (with `--top-p`,
-only the most likely of them until their probabilities reach that mass; with `--keep csd-events`,
-only those the CSD loss turns into events, `event_entries.py`), their log-probabilities
-under the softmax over the model's whole output, and the log-probability of the observed next
-token (SPEC §6), in Parquet shards co-partitioned with the aligned shards
-(`schemas/teacher_topk.py`).
+It reads as runner -> selectors -> writer: for every teacher position of every aligned row the
+runner (`runner.py`) takes the top-k token ids and their log-probabilities under the softmax over
+the model's whole output, the store's selectors (`store/selectors/`, built once from the options:
+top-k, top-p, min-p, tail samples, CSD events) choose which entries to keep, and the store's writer
+(`store/writer.py`) encodes them with the log-probability of the observed next token (SPEC §6), in
+Parquet shards co-partitioned with the aligned shards (`csd_pipeline/teacher/store/schema.py`).
 
 `TeacherLogitsStage(config)` opens the aligned output (`AlignedOutput`), checks the output
 directory, loads the teacher and checks it against the aligned teacher tokenizer, then declares
 what the shared executor needs:
 
-- identity: the capture settings, the teacher's fingerprint and sizes, the aligned manifest's sha256;
+- identity: the capture settings (each selector declares its part), the teacher's fingerprint and
+  sizes, the aligned manifest's sha256;
 - plan: one task per aligned shard, with the same name (co-partitioning);
-- shard writer: `TeacherShardWriter` (`shard_writer.py`), which runs the `TeacherRunner`.
+- shard writer: `TeacherShardWriter` (`shard_writer.py`): aligned shard -> runner -> selectors -> writer.
 
 `run_teacher_logits(config)` runs it for this rank; ranks (torchrun / SLURM / --rank) take
 disjoint shards, and the rank that completes last (or `csd-pipeline status DIR --finalize`)
@@ -28,8 +29,8 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.executor import ShardTask, Stage, check_output_dir, run_configured
 from csd_pipeline.runtime.storage import location
 from csd_pipeline.teacher.config import TeacherLogitsConfig
-from csd_pipeline.teacher.shard_writer import TeacherShardWriter, deterministic_torch
-from schemas.teacher_topk import SCHEMA_VERSION, STAGE
+from csd_pipeline.teacher.shard_writer import TeacherShardWriter, deterministic_torch, teacher_runner
+from csd_pipeline.teacher.store.schema import SCHEMA_VERSION, STAGE
 
 
 def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, world_size: int | None = None,
@@ -52,15 +53,18 @@ class TeacherLogitsStage(Stage):
     work_unit = "row"
 
     def __init__(self, config: TeacherLogitsConfig, log=None):
+        from dataclasses import asdict
+
         from csd_pipeline.align.output import AlignedOutput
         from csd_pipeline.runtime.model_loading import load_causal_lm, resolve_device, resolve_dtype
-        from csd_pipeline.teacher.runner import TeacherRunner
+        from csd_pipeline.teacher.store.selectors import chain_from_config
 
         log = log or (lambda message: None)
         self.config = config
         self.aligned = AlignedOutput.open(config.aligned)
         self.tokenizer = self.aligned.teacher_tokenizer(config.teacher_index)
         self.output_dir = location(config.output)
+        self.chain = chain_from_config(asdict(config), self.aligned)
         check_output_dir(self.output_dir)  # before the teacher is loaded, which may take minutes
         self.device = resolve_device(config.device)
         self.dtype = str(resolve_dtype(config.dtype, self.device)).replace("torch.", "")
@@ -69,10 +73,7 @@ class TeacherLogitsStage(Stage):
         self.loaded = load_causal_lm(config.teacher, dtype=self.dtype, device=str(self.device),
                                      trust_remote_code=config.trust_remote_code)
         self._check_teacher(log)
-        self.runner = TeacherRunner(self.loaded, top_k=config.top_k, vocab_limit=self.tokenizer.size,
-                                    temperature=float(config.temperature), batch_tokens=config.batch_tokens,
-                                    top_p=config.top_p, min_p=config.min_p, tail_samples=config.tail_samples,
-                                    sample_seed=config.sample_seed)
+        self.runner = teacher_runner(self.loaded, config, self.chain, self.tokenizer.size)
 
     def _check_teacher(self, log) -> None:
         """Refuse a teacher with fewer outputs than the aligned teacher tokenizer has ids, or whose own
@@ -102,22 +103,12 @@ class TeacherLogitsStage(Stage):
             )
 
     def identity(self, world_size: int) -> dict:
-        from csd_pipeline.teacher.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
+        from csd_pipeline.teacher.store.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
 
         config = self.config
-        # --min-p, --tail-samples and --keep are recorded only when set: earlier outputs keep their identity
-        optional = {} if config.min_p is None else {"min_p": config.min_p}
-        if config.tail_samples:
-            optional |= {"tail_samples": config.tail_samples, "sample_seed": config.sample_seed}
-        if config.keep != "top-k":
-            from csd_pipeline.runtime.files import file_sha256
-
-            optional |= {"keep": config.keep,
-                         "tables_sha256": [file_sha256(path) for path in self.aligned.tables(config.teacher_index)]}
         return {
             "config": {
-                "top_k": config.top_k,
-                "top_p": config.top_p,
+                **self.chain.identity(),  # each selector's part, recorded only when set (earlier outputs keep theirs)
                 "encoding": ENCODING,
                 "logprob_step": 1 / STEPS_PER_NAT,
                 "max_abs_error": MAX_ABS_ERROR,
@@ -128,7 +119,6 @@ class TeacherLogitsStage(Stage):
                 "batch_tokens": config.batch_tokens,
                 "block_positions": config.block_positions,
                 "teacher_index": config.teacher_index,
-                **optional,
             },
             "teacher": {
                 "fingerprint": self.loaded.fingerprint["sha256"],
@@ -157,5 +147,5 @@ class TeacherLogitsStage(Stage):
         return spec["rows"]
 
     def shard_writer(self) -> TeacherShardWriter:
-        return TeacherShardWriter(self.config, self.aligned, self.tokenizer.size, str(self.device), self.dtype,
-                                  self.runner)
+        return TeacherShardWriter(self.config, self.chain, self.aligned, self.tokenizer.size, str(self.device),
+                                  self.dtype, self.runner)

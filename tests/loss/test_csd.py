@@ -335,8 +335,8 @@ def _variable_length_rows(case: Case, top_p: float):
     entry and every 5th to all 16) and passed through the codec, in three forms: padded as the reader
     yields them (id -1, log-prob -inf after `lengths`), ragged (per position only its entries: what
     the reference reads) and with stale values after `lengths` (the left-out entries, finite)."""
-    from csd_pipeline.teacher.codec import decode_block, encode_block
-    from csd_pipeline.teacher.runner import mass_lengths
+    from csd_pipeline.teacher.store.codec import decode_block, encode_block
+    from csd_pipeline.teacher.store.selectors.top_p import mass_lengths
 
     padded, ragged, stale, counts = [], [], [], []
     for r, d in zip(case.rows, case.dense):

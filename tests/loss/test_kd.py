@@ -173,12 +173,11 @@ def test_options_and_teacher_checks():
 
 @functools.cache
 def _fake_output(keep="top-k", tail_samples=0):
-    class Output:
-        directory, teacher_index = "T", 0
+    """A teacher output whose manifest records these selectors (and no shards)."""
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
-    output = Output()
-    output.keep, output.tail_samples = keep, tail_samples
-    return output
+    config = {"top_k": 8, "top_p": None, "teacher_index": 0, "keep": keep, "tail_samples": tail_samples}
+    return TeacherTopkOutput("T", {"config": config, "shards": []})
 
 
 def test_refuses_a_teacher_with_another_tokenizer(trainer_data):

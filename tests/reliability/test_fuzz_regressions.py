@@ -142,7 +142,7 @@ def test_damaged_template_config_is_one_error_naming_it(tmp_path, text):
 @pytest.mark.parametrize("config", [{"top_k": [8]}, {"keep": 5}, {"teacher_index": -1}, [], {"top_p": 10**400},
                                     {"top_p": 2}])
 def test_damaged_teacher_manifest_config_is_one_error_naming_it(tmp_path, config):
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     manifest = {"manifest_version": 1, "stage": "teacher-logits", "schema_version": 2, "shards": [dict(SHARD)],
                 "config": config, "totals": {}}
@@ -153,7 +153,7 @@ def test_damaged_teacher_manifest_config_is_one_error_naming_it(tmp_path, config
 
 
 def test_teacher_manifest_whose_aligned_record_is_not_an_object_is_refused(tmp_path):
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     manifest = {"manifest_version": 1, "stage": "teacher-logits", "schema_version": 2, "shards": [dict(SHARD)],
                 "config": {}, "aligned": True, "totals": {}}
@@ -217,7 +217,7 @@ def rewritten(teacher_shard, tmp_path, change) -> tuple[Path, str]:
 def test_undecodable_block_of_an_unchecked_teacher_shard_names_the_shard(teacher_shard, tmp_path):
     import pyarrow as pa
 
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     def cut(table):
         payload = table.column("payload").to_pylist()
@@ -231,7 +231,7 @@ def test_undecodable_block_of_an_unchecked_teacher_shard_names_the_shard(teacher
 
 @pytest.mark.parametrize("key, value", [(b"csd.schema_version", b"\xff"), (b"csd.k", b"x"), (b"csd.top_p", b"?")])
 def test_damaged_teacher_shard_schema_metadata_names_the_shard(teacher_shard, tmp_path, key, value):
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     def damage(table):
         return table.replace_schema_metadata({**table.schema.metadata, key: value})
@@ -244,7 +244,7 @@ def test_damaged_teacher_shard_schema_metadata_names_the_shard(teacher_shard, tm
 def test_teacher_shard_with_a_row_id_that_is_not_utf8_names_the_shard(teacher_shard, tmp_path):
     import pyarrow as pa
 
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     def damage(table):  # what a flipped byte in an unchecked page of row ids reads as
         ids = pa.array([b"\xff" + r.encode() for r in table.column("row_id").to_pylist()], pa.binary())
@@ -260,7 +260,7 @@ def test_teacher_shard_with_negative_positions_names_the_shard(teacher_shard, tm
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     def damage(table):  # what a flipped sign bit in an unchecked page of positions reads as
         index = table.schema.get_field_index("positions")
@@ -277,7 +277,7 @@ def test_flips_found_by_the_random_hunt_are_one_line(teacher_shard, tmp_path):
     import shutil
 
     from csd_pipeline.runtime.integrity import read_verified_table
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     folder, file = teacher_shard
     aligned = folder.parent / "aligned"

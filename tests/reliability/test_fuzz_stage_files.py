@@ -89,7 +89,7 @@ def teacher_values(out, aligned: AlignedOutput):
 
 
 def fuzz_manifest(outputs, settings, stage):
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     folder = outputs[stage]
     target = Mutated(folder / "manifest.json")
@@ -289,7 +289,7 @@ def teacher_rows(shard) -> list:
 
 
 def fuzz_teacher_shard(outputs, settings):
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     out = TeacherTopkOutput.open(outputs["teacher"])
     path = out.directory / out.manifest["shards"][0]["file"]
@@ -322,8 +322,8 @@ def fuzz_codec(outputs, settings):
     memory (raw LZMA streams carry no checksum of their own; page checksums guard the payload in a shard)."""
     import pyarrow.parquet as pq
 
-    from csd_pipeline.teacher.codec import decode_block
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.codec import decode_block
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     out = TeacherTopkOutput.open(outputs["teacher"])
     shard = out.shard(0)
@@ -364,7 +364,7 @@ def fuzz_old_teacher_shard(outputs, settings, tmp_path):
     import pyarrow.parquet as pq
 
     from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_KEY
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     folder = tmp_path / "teacher"
     shutil.copytree(outputs["teacher"], folder)

@@ -203,7 +203,7 @@ def test_old_aligned_shard_without_page_checksums_loads_and_is_protected_by_its_
 
 
 def test_flipped_bytes_in_a_teacher_payload_are_refused(pipeline, tmp_path):
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     entry = manifest(pipeline["teacher"])["shards"][0]
     source = pipeline["teacher"] / entry["file"]
@@ -228,7 +228,7 @@ def test_flipped_bytes_in_a_teacher_payload_are_refused(pipeline, tmp_path):
 
 
 def test_old_teacher_shard_without_page_checksums_is_hashed_when_opened(copy):
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     path = rewrite_without_page_checksums(copy["teacher"], 0)
     entry = manifest(copy["teacher"])["shards"][0]

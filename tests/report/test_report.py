@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.teacher.codec import MAX_ABS_ERROR
+from csd_pipeline.teacher.store.codec import MAX_ABS_ERROR
 from schemas.aligned import ChunkStatus
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def training_run(trainer_data, teacher_output, tmp_path_factory):
 def test_teacher_mass_of_one_to_one_chunks_equals_the_stored_top_k(trainer_data, teacher_output):
     # 1:1 chunk: explicit events = stored top-k ids (and the observed id) whose spelling the student has
     from csd_pipeline.report.coverage import teacher_coverage
-    from csd_pipeline.teacher.reader import read_teacher_topk
+    from csd_pipeline.teacher.store.reader import read_teacher_topk
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     coverage = teacher_coverage(teacher_output, trainer_data["train_short"], max_rows=10_000)

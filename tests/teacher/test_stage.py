@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from csd_pipeline.teacher.codec import MAX_ABS_ERROR
+from csd_pipeline.teacher.store.codec import MAX_ABS_ERROR
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 ROOT = Path(__file__).resolve().parents[2]
@@ -293,7 +293,7 @@ def test_top_p_keeps_the_most_likely_entries_until_their_mass(aligned, tiny_teac
     probabilities reach P, at most K; then padding. Positions keep 1 entry and K entries."""
     import pyarrow.parquet as pq
 
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     out = tmp_path / "top-p"
     assert run_stage(aligned, tiny_teacher, out, top_p=TOP_P).complete
@@ -343,7 +343,7 @@ def test_min_p_keeps_the_entries_within_a_ratio_of_the_most_likely(aligned, tiny
     then padding. Recorded in the manifest and the schema; positions keep 1 entry and K entries."""
     import pyarrow.parquet as pq
 
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     out = tmp_path / "min-p"
     assert run_stage(aligned, tiny_teacher, out, min_p=MIN_P, top_p=top_p).complete
@@ -394,7 +394,7 @@ def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, ti
     import pyarrow.parquet as pq
 
     from csd_pipeline.errors import CsdError
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
     from trainer.config import LossConfig
     from trainer.data import _check_top_k
 
@@ -457,7 +457,7 @@ def test_keep_csd_events_stores_what_the_loss_reads(aligned, tiny_teacher, tiny_
     from csd_pipeline.errors import CsdError
     from csd_pipeline.events.context import EventContext
     from csd_pipeline.events.row_events import build_row_events
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
     from csd_pipeline.vocab.tables import load_table
     from trainer.config import LossConfig
 
@@ -500,7 +500,7 @@ def test_version_1_output_is_still_read():
     fixed top-8 of SmolLM2 on Genesis 1) opens and reads: every position holds its 8 entries, the ids
     of an independent float32 forward of each row alone, values within the grid."""
     from csd_pipeline import read_teacher_topk
-    from csd_pipeline.teacher.reader import TeacherTopkOutput
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     folder = DATA / "teacher-topk-v1"
     reference = np.load(folder / "reference.npz", allow_pickle=False)
@@ -541,7 +541,7 @@ def test_teacher_vocabulary_size_comes_from_the_aligned_manifest(aligned, tmp_pa
 
 
 def test_random_access_equals_iteration(tiny_output):
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     manifest = json.loads((tiny_output / "manifest.json").read_text())
     shard = read_teacher_shard(tiny_output, manifest["shards"][0]["file"])
@@ -552,8 +552,8 @@ def test_random_access_equals_iteration(tiny_output):
 
 
 def test_reads_out_of_order_decode_each_block_once_when_it_fits(aligned, tiny_teacher, tmp_path, monkeypatch):
-    import csd_pipeline.teacher.codec as codec
-    from csd_pipeline.teacher.reader import read_teacher_shard
+    import csd_pipeline.teacher.store.codec as codec
+    from csd_pipeline.teacher.store.reader import read_teacher_shard
 
     out = tmp_path / "small-blocks"
     assert run_stage(aligned, tiny_teacher, out, block_positions=64).complete

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from csd_pipeline.teacher.reader import TeacherTopkRow
+from csd_pipeline.teacher.store.reader import TeacherTopkRow
 from trainer.loader import keep_most_likely
 
 
@@ -41,3 +41,22 @@ def test_variable_length_rows_keep_at_most_their_own_entries():
     assert kept.lengths.tolist() == [1, 4, 3]
     assert [kept.entries(t)[0].tolist() for t in range(3)] == [[7], [1, 2, 3, 4], [9, 8, 6]]
     assert kept.ids[0, 1:].tolist() == [-1, -1, -1] and np.isneginf(kept.logprobs[2, 3])
+
+
+def test_refused_where_the_stored_entries_are_no_top_k(tmp_path):
+    """The one check on what the manifest records (`TeacherTopkOutput.require_exact`): a store of tail draws or
+    of CSD's event entries holds no top-N to cut; a top-p or min-p store does (its first entries are the top)."""
+    import pytest
+
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
+    from trainer.data import _check_top_k
+
+    def output(**selectors):
+        return TeacherTopkOutput(tmp_path, {"config": {"top_k": 16, "top_p": None, **selectors}, "shards": []})
+
+    _check_top_k(8, output(top_p=0.9, min_p=0.01))
+    _check_top_k(0, output(tail_samples=4))  # 0: every stored entry, nothing cut
+    for selectors, named in (({"tail_samples": 4}, "--tail-samples"), ({"keep": "csd-events"}, "--keep csd-events")):
+        with pytest.raises(CsdError, match=rf"--teacher-top-k 8 reads .* {named}.*pass --teacher-top-k 0"):
+            _check_top_k(8, output(**selectors))

@@ -13,18 +13,21 @@ position (most likely first) and sets the row's entry counts. A position keeps a
 likely entry (the encoding stores n >= 1 entries): a position where nothing is read keeps just that.
 
 What the store cannot serve any more: the baseline losses (ULD, GOLD, strict), which compare whole
-next-token rows; `csd-train` refuses them on such a store (`trainer/data.py`).
+next-token rows, and `csd-train --teacher-top-k`: the kept entries are not the most likely ones (not `exact`).
+Recorded as `config.keep` = "csd-events" with the sha256 of the aligned tables (`config.tables_sha256`), and
+the shard metadata `csd.keep`. It reads each row's aligned chunks, so it runs in the writer's scope, last.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from csd_pipeline.events.batch import SHAPE_1_1, chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks
 from csd_pipeline.teacher.row import TeacherTopkRow
+from csd_pipeline.teacher.store.selectors import Selector
 
 
 def event_entry_mask(aligned_row, teacher_index: int, ids: np.ndarray, lengths: np.ndarray, context) -> np.ndarray:
@@ -90,11 +93,63 @@ def keep_marked(result: TeacherTopkRow, mask: np.ndarray) -> TeacherTopkRow:
 
 
 def event_selector(aligned_rows: list, teacher_index: int, context):
-    """`select(row_index, TeacherTopkRow) -> TeacherTopkRow` for `shard_writer.write_teacher_shard`: the event entries of
-    each row of one shard (`aligned_rows`: its rows' aligned columns for `teacher_index`, in order)."""
+    """`select(row_index, TeacherTopkRow) -> TeacherTopkRow`: the event entries of each row of one shard
+    (`aligned_rows`: its rows' aligned columns for `teacher_index`, in order; context: the pair's `EventContext`)."""
 
     def select(row_index: int, result: TeacherTopkRow) -> TeacherTopkRow:
         mask = event_entry_mask(aligned_rows[row_index], teacher_index, result.ids, result.lengths, context)
         return keep_marked(result, mask)
 
     return select
+
+
+@dataclass(frozen=True)
+class CsdEvents(Selector):
+    """Only the entries the CSD loss turns into events with the aligned tables (`tables`: the student->teacher
+    and teacher->student table paths of teacher `teacher_index`, with their sha256)."""
+
+    teacher_index: int
+    tables_sha256: tuple = ()
+    tables: tuple = field(default=(), compare=False)
+    name = "csd-events"
+    exact = False
+    inexact = "keeps only the entries CSD turns into events (teacher-logits --keep csd-events)"
+    reads_aligned = True
+
+    @classmethod
+    def from_config(cls, config: dict, aligned=None) -> CsdEvents | None:
+        if config.get("keep", "top-k") != "csd-events":
+            return None
+        index = int(config.get("teacher_index") or 0)
+        if aligned is None:  # a store being read: what its manifest records
+            return cls(index, tuple(config.get("tables_sha256") or ()))
+        from csd_pipeline.runtime.files import file_sha256
+
+        tables = tuple(str(path) for path in aligned.tables(index))
+        return cls(index, tuple(file_sha256(path) for path in tables), tables)
+
+    def identity(self) -> dict:
+        return {"keep": self.name, "tables_sha256": list(self.tables_sha256)}
+
+    def metadata(self) -> dict:
+        return {b"csd.keep": self.name.encode()}
+
+    def row_cut(self, aligned_rows: list):
+        return event_selector(aligned_rows, self.teacher_index, self.event_context())
+
+    def event_context(self):
+        """The `EventContext` of the tables, built once per process (a copy sent to a worker builds its own)."""
+        context = self.__dict__.get("_context")
+        if context is None:
+            from pathlib import Path
+
+            from csd_pipeline.events.context import EventContext
+            from csd_pipeline.vocab.tables import load_table
+
+            s2t, t2s = self.tables
+            context = EventContext(load_table(s2t), load_table(t2s), tables_name=str(Path(s2t).parent))
+            object.__setattr__(self, "_context", context)
+        return context
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "_context"}

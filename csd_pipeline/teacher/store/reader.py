@@ -5,7 +5,7 @@ Rows come in the aligned order (the shards are co-partitioned with the aligned s
 (`TeacherTopkRow`) gives `row_id`, `ids` int32 [T, k], `logprobs` float32 [T, k] (descending; every
 value within 0.0098 nat of the teacher's float32 log-probability), `lengths` int64 [T], the number
 of real entries of each position, `observed_logprob` float32 [T] (the log-probability of token t+1
-given tokens up to t; NaN at the last position) and `status` (`schemas.teacher_topk.RowStatus`; a
+given tokens up to t; NaN at the last position) and `status` (`csd_pipeline.teacher.store.schema.RowStatus`; a
 rejected row has empty [0, k] arrays).
 
 Variable-length rows: an output written with `teacher-logits --top-p` stores a different number of
@@ -49,7 +49,7 @@ class TeacherShard(Sequence):
         import pyarrow.parquet as pq
 
         from csd_pipeline.runtime.integrity import verify_unmarked
-        from csd_pipeline.teacher.codec import ENCODINGS
+        from csd_pipeline.teacher.store.codec import ENCODINGS
 
         self.path = location(path)
         try:
@@ -73,6 +73,10 @@ class TeacherShard(Sequence):
             self.k = int(metadata[b"csd.k"])
             top_p = metadata.get(b"csd.top_p", b"").decode()
             self.top_p = float(top_p) if top_p else None  # None: a fixed top-k (always so in version 1)
+            from csd_pipeline.teacher.store.schema import selector_metadata_of
+
+            # what the selectors recorded (`SelectorChain.metadata()`), for `TeacherTopkOutput.shard` to check
+            self.selector_metadata = selector_metadata_of(metadata)
         except (UnicodeDecodeError, ValueError, KeyError, OSError, pa.ArrowException) as err:
             raise CsdError(f"teacher shard {self.path}: its schema metadata is damaged ({type(err).__name__}); the "
                            "file is corrupt, re-run teacher-logits.") from None
@@ -97,7 +101,7 @@ class TeacherShard(Sequence):
         return len(self.row_ids)
 
     def _decode(self, block: int) -> list[TeacherTopkRow]:
-        from csd_pipeline.teacher.codec import block_header, decode_block
+        from csd_pipeline.teacher.store.codec import block_header, decode_block
 
         if block in self._cached:
             self._cached.move_to_end(block)
@@ -208,7 +212,7 @@ class TeacherTopkOutput:
     def open(cls, directory) -> TeacherTopkOutput:
         """Read and check `DIR/manifest.json` (stage, schema version 1 or 2). Raises `ManifestError`."""
         from csd_pipeline.runtime.manifest import read_manifest
-        from schemas.teacher_topk import READABLE_VERSIONS, STAGE
+        from csd_pipeline.teacher.store.schema import READABLE_VERSIONS, STAGE
 
         return cls(directory, read_manifest(directory, stage=STAGE, schema_versions=list(READABLE_VERSIONS)))
 
@@ -270,9 +274,35 @@ class TeacherTopkOutput:
 
     def shard(self, index: int, cache_bytes: int = 0) -> TeacherShard:
         """Shard `index` (manifest order), keeping up to `cache_bytes` of decoded blocks; a shard without
-        page checksums is checked against its manifest sha256 when opened."""
-        return TeacherShard(self.directory / self.shard_files[index], cache_bytes,
-                            self.manifest["shards"][index].get("sha256"))
+        page checksums is checked against its manifest sha256 when opened, and its selectors' metadata
+        (`csd.top_p`, `csd.min_p`, `csd.tail_samples`, `csd.keep`) against the manifest's (CsdError)."""
+        shard = TeacherShard(self.directory / self.shard_files[index], cache_bytes,
+                             self.manifest["shards"][index].get("sha256"))
+        self._check_selector_metadata(shard)
+        return shard
+
+    def selectors(self):
+        """The `SelectorChain` this output was written with, from what its manifest records (`config`)."""
+        from csd_pipeline.teacher.store.selectors import chain_from_config
+
+        return chain_from_config(self.manifest.get("config") or {})
+
+    def require_exact(self, needs: str, fix: str) -> None:
+        """Raise `CsdError` unless every entry stored is one of the teacher's most likely at its exact log-probability
+        (no selector of the manifest says otherwise). `needs`: who reads it so; `fix`: what to do instead."""
+        self.selectors().require_exact(self.directory, needs, fix)
+
+    def _check_selector_metadata(self, shard: TeacherShard) -> None:
+        if shard.version < 2:
+            return  # version 1 had no selectors but --top-k (and recorded none)
+        expected = {b"csd.top_p": b"", **self.selectors().metadata()}
+        if shard.selector_metadata != expected:
+            def shown(values):
+                return ", ".join(f"{k.decode()}={v.decode()!r}" for k, v in sorted(values.items()))
+
+            raise CsdError(f"teacher shard {shard.path} records the selectors {shown(shard.selector_metadata)} but "
+                           f"{self.directory / 'manifest.json'} records {shown(expected)}; the shard belongs to "
+                           f"another run, re-run `{TEACHER_RERUN}` into a new --output.")
 
     def rows(self) -> Iterator[TeacherTopkRow]:
         """Every row, shard by shard in manifest order, rows in aligned order."""

@@ -11,14 +11,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from csd_pipeline.teacher.codec import MAX_ABS_ERROR, decode_block, encode_block
-from csd_pipeline.teacher.tail_samples import block_seed, draw_tail, merge_tail
+from csd_pipeline.teacher.store.codec import MAX_ABS_ERROR, decode_block, encode_block
+from csd_pipeline.teacher.store.selectors.tail_samples import block_seed, draw_tail, merge_tail
 
 VOCAB, OUTPUTS, K, DRAWS = 40, 44, 6, 8  # 4 padded output rows beyond the tokenizer's 40 ids
 
 
-def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: int):
-    """draw_tail + merge_tail as the runner calls them, on float32 logits [P, OUTPUTS]."""
+def softmax_chunk(logits64: np.ndarray, next_ids: np.ndarray):
+    """What the runner holds of a chunk of positions (torch, float32 logits [P, OUTPUTS]): the top-K values and ids,
+    exp(logit - peak), its sum, the normaliser, the next ids and the observed log-probs (NaN where none)."""
     import torch
 
     logits = torch.from_numpy(logits64.astype(np.float32))
@@ -28,10 +29,18 @@ def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: i
     total = weights.sum(dim=-1)
     lse = peak + torch.log(total)
     nxt = torch.from_numpy(next_ids)
-    draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept), nxt, total, DRAWS,
-                                torch.Generator().manual_seed(seed), VOCAB)
     observed = (logits.gather(1, nxt.clamp(min=0)[:, None])[:, 0] - lse).numpy()
     observed[next_ids < 0] = np.nan
+    return values, indices, weights, total, lse, nxt, observed
+
+
+def sample(logits64: np.ndarray, kept: np.ndarray, next_ids: np.ndarray, seed: int):
+    """draw_tail + merge_tail as the runner calls them, on float32 logits [P, OUTPUTS]."""
+    import torch
+
+    values, indices, weights, total, lse, nxt, observed = softmax_chunk(logits64, next_ids)
+    draws, log_tail = draw_tail(weights, indices, torch.from_numpy(kept), nxt, total, DRAWS,
+                                torch.Generator().manual_seed(seed), VOCAB)
     ids, logprobs, lengths = merge_tail(indices.numpy(), (values - lse[:, None]).numpy(), kept, draws.numpy(),
                                         log_tail.numpy(), next_ids, observed)
     return ids, logprobs, lengths, observed
@@ -112,3 +121,31 @@ def test_block_seeds_differ_by_seed_and_row():
     assert block_seed(0, "a") == block_seed(0, "a")
     assert len({block_seed(0, "a"), block_seed(1, "a"), block_seed(0, "b")}) == 3
     assert 0 <= block_seed(123, "row") < 1 << 63
+
+
+def test_the_selector_draws_as_the_two_steps_do(positions):
+    """`TailSamples.cut` on a chunk (its entries and `Distribution`) stores what draw_tail + merge_tail store with
+    the same generator; it declares estimated values (not exact) and k + N + 1 entries, and needs the forward."""
+    import torch
+
+    from csd_pipeline.teacher.store.selectors import Distribution, Entries, TailSamples, chain_from_config
+
+    logits64, kept, next_ids = positions
+    chain = chain_from_config({"top_k": K, "tail_samples": DRAWS, "sample_seed": 3})
+    selector = chain.selectors[-1]
+    assert chain.names == ["top-k", "tail-samples"] and selector == TailSamples(DRAWS, 3) and not selector.exact
+    assert chain.width == K + DRAWS + 1 and chain.first_inexact() is selector and "--tail-samples" in selector.inexact
+    assert selector.identity() == {"tail_samples": DRAWS, "sample_seed": 3}
+    assert selector.metadata() == {b"csd.tail_samples": str(DRAWS).encode()}
+    assert chain.block_seed("row") == block_seed(3, "row") != chain.block_seed("other")
+    values, indices, weights, total, lse, nxt, observed = softmax_chunk(logits64, next_ids)
+    entries = Entries(indices.numpy().astype(np.int32), (values - lse[:, None]).numpy(), kept.astype(np.int64),
+                      observed, next_ids)
+    with pytest.raises(ValueError, match="whole distribution"):
+        selector.cut(entries, None)
+    distribution = Distribution(weights, total, indices, nxt, VOCAB, torch.Generator().manual_seed(5))
+    cut = selector.cut(entries, distribution)
+    ids, logprobs, lengths, _ = sample(logits64, kept, next_ids, 5)
+    np.testing.assert_array_equal(cut.ids, ids)
+    np.testing.assert_array_equal(cut.logprobs, logprobs)
+    np.testing.assert_array_equal(cut.lengths, lengths)

@@ -18,18 +18,22 @@ teacher's whole mass in expectation (the importance-sampled KD of sparse logit s
   them, it is stored too, at its exact value: the encoding codes an observed value outside the entries
   as a gap below the position's last stored value (`codec.encode_block`), which must not be negative.
 
-Draws come from a `torch.Generator` seeded per block of rows (`block_seed`: `--sample-seed` and the
+Draws come from a `torch.Generator` seeded per block of rows (`TailSamples.block_seed`: `--sample-seed` and the
 block's first row id), so a re-run of a shard draws the same ids: the same bytes on the same device (a
 GPU batch split after running out of memory draws anew).
 The stored values of drawn ids are estimates, not the teacher's log-probabilities: a sampled store
-serves the CSD loss; the baselines (which sort or compare whole rows) refuse it (`trainer/data.py`).
+serves the CSD loss; the baselines (which sort or compare whole rows) refuse it (not `exact`).
+Recorded as `config.tail_samples` and `config.sample_seed`, and the shard metadata `csd.tail_samples`.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, replace
 
 import numpy as np
+
+from csd_pipeline.teacher.store.selectors import Distribution, Entries, Selector
 
 
 def block_seed(sample_seed: int, first_row_id: str) -> int:
@@ -110,3 +114,44 @@ def merge_tail(ids, logprobs, kept, draws, log_tail, observed_ids, observed):
     lengths = (out_ids >= 0).sum(axis=1).astype(np.int64)
     # padding: id 0 at -inf (the encoder checks every id; it stores only each position's `lengths`)
     return np.maximum(out_ids, 0).astype(np.int32), out_lp.astype(np.float32), lengths
+
+
+@dataclass(frozen=True)
+class TailSamples(Selector):
+    """`samples` draws from the rest of each position's distribution, at estimated values (`seed`: --sample-seed)."""
+
+    samples: int
+    seed: int = 0
+    name = "tail-samples"
+    exact = False
+    inexact = "holds --tail-samples draws at estimated values (teacher-logits --tail-samples)"
+    needs_distribution = True
+
+    @classmethod
+    def from_config(cls, config: dict, aligned=None) -> TailSamples | None:
+        samples = int(config.get("tail_samples") or 0)
+        return cls(samples, int(config.get("sample_seed") or 0)) if samples else None
+
+    def identity(self) -> dict:
+        return {"tail_samples": self.samples, "sample_seed": self.seed}
+
+    def metadata(self) -> dict:
+        return {b"csd.tail_samples": str(int(self.samples)).encode()}
+
+    def width(self, width: int) -> int:
+        return width + self.samples + 1  # the draws and the observed token
+
+    def block_seed(self, first_row_id: str) -> int:
+        return block_seed(self.seed, first_row_id)
+
+    def cut(self, entries: Entries, distribution: Distribution | None) -> Entries:
+        import torch
+
+        if distribution is None:
+            raise ValueError("tail samples are drawn from the teacher's whole distribution, inside the forward")
+        kept = torch.from_numpy(entries.lengths).to(distribution.indices.device)
+        draws, log_tail = draw_tail(distribution.weights, distribution.indices, kept, distribution.next_ids,
+                                    distribution.total, self.samples, distribution.generator, distribution.vocab_limit)
+        ids, logprobs, lengths = merge_tail(entries.ids, entries.logprobs, entries.lengths, draws.cpu().numpy(),
+                                            log_tail.cpu().numpy(), entries.next_ids, entries.observed)
+        return replace(entries, ids=ids, logprobs=logprobs, lengths=lengths)

@@ -5,7 +5,7 @@ the n most likely token ids, their log-probabilities and, where the position has
 the log-probability of that observed token (SPEC §6). n is the same k everywhere for a fixed
 top-k; with a mass-adaptive top-k (`teacher-logits --top-p P`) it is chosen per position: the most
 likely entries until their probabilities sum to P, at most k. The layout is documented, byte by
-byte, in `schemas/teacher_topk.py`; in short:
+byte, in `csd_pipeline/teacher/store/schema.py`; in short:
 
 - log-probabilities are quantized on one absolute grid, q = round(-logprob * 51), so every decoded
   value is within 1/102 nat (0.0098) of the float32 value (down to -1285 nat, where q saturates at

@@ -17,9 +17,9 @@ import torch
 
 from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, build_row_events, read_aligned_chunks
-from csd_pipeline.teacher.codec import decode_block, encode_block
-from csd_pipeline.teacher.event_entries import event_entry_mask, keep_marked
 from csd_pipeline.teacher.row import TeacherTopkRow
+from csd_pipeline.teacher.store.codec import decode_block, encode_block
+from csd_pipeline.teacher.store.selectors.csd_events import event_entry_mask, keep_marked
 from tests.csd_cases import PairCase, topk_from_dense
 
 TOP_K = 16
@@ -160,3 +160,41 @@ def test_stored_event_entries_give_the_events_and_loss_of_the_whole_top_k(case_o
     (a, loss_a, grad_a), (b, loss_b, grad_b) = results
     assert a.num_chunks > 0 and _same_events(a, b)
     assert loss_a == loss_b and torch.equal(grad_a, grad_b)
+
+
+def test_the_selector_declares_its_part_and_reads_it_back(trainer_data):
+    """`--keep csd-events` as a selector: the tables' sha256 in the identity (read back from a manifest's config
+    as the same selector), csd.keep in the metadata, not exact, the writer's scope; a copy for a worker process
+    carries no tables loaded, and its row cut is `event_selector` with the aligned tables."""
+    import pickle
+
+    from csd_pipeline.align.output import AlignedOutput
+    from csd_pipeline.runtime.files import file_sha256
+    from csd_pipeline.teacher.store.selectors import CsdEvents, chain_from_config
+
+    aligned = AlignedOutput.open(trainer_data["train_short"])
+    chain = chain_from_config({"top_k": 8, "keep": "csd-events", "teacher_index": 0}, aligned)
+    events = chain.selectors[-1]
+    sha = [file_sha256(path) for path in aligned.tables(0)]
+    assert chain.names == ["top-k", "csd-events"] and chain.reads_aligned and events.reads_aligned
+    assert events.identity() == {"keep": "csd-events", "tables_sha256": sha} and not events.exact
+    assert events.metadata() == {b"csd.keep": b"csd-events"} and "--keep csd-events" in events.inexact
+    recorded = chain_from_config({"top_k": 8, "top_p": None, **chain.identity(), "teacher_index": 0})
+    assert recorded == chain and isinstance(recorded.selectors[-1], CsdEvents)
+    assert chain_from_config({"top_k": 8, "keep": "top-k"}, aligned).names == ["top-k"]
+    shard = aligned.shards[0]
+    aligned_rows = aligned.read(shard, aligned.training_columns([0])).to_pylist()
+    select = chain.row_cut(aligned_rows)
+    assert "_context" in events.__dict__ and "_context" not in pickle.loads(pickle.dumps(events)).__dict__
+    _, rows = aligned.teacher_rows(shard, 0)
+    vocab = events.event_context().teacher_bytes
+    rng = np.random.default_rng(0)
+    for index, ids in enumerate(rows[:4]):
+        top = rng.integers(0, len(vocab), size=(len(ids), TOP_K)).astype(np.int32)
+        logprobs = np.sort(-np.abs(rng.normal(6, 2, size=(len(ids), TOP_K))), axis=1)[:, ::-1].astype(np.float32)
+        row = TeacherTopkRow(None, top, logprobs, np.full(len(ids), -3.0, np.float32))
+        mask = event_entry_mask(aligned_rows[index], 0, top, row.lengths, events.event_context())
+        expected = keep_marked(row, mask)
+        got = select(index, row)
+        np.testing.assert_array_equal(got.ids, expected.ids)
+        np.testing.assert_array_equal(got.lengths, expected.lengths)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.teacher.codec import (
+from csd_pipeline.teacher.store.codec import (
     LOGPROB_FLOOR,
     MAX_ABS_ERROR,
     PAD_ID,
@@ -23,7 +23,7 @@ from csd_pipeline.teacher.codec import (
     quantize,
 )
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def _tolerance(value) -> np.ndarray:

@@ -18,35 +18,21 @@ Columns (one row per aligned row; the same in versions 1 and 2):
 | `payload` | binary, nullable | the encoded block, on the first row of each block; null on the other rows |
 
 Schema metadata: `csd.schema` = "teacher_topk", `csd.schema_version`, `csd.k` (the most entries a
-position holds: `--top-k`), `csd.encoding`, and from version 2 `csd.top_p` (the `--top-p` mass
-bound as a decimal string, or "" for a fixed top-k).
+position holds: `--top-k`, plus N + 1 with `--tail-samples N`), `csd.encoding`, from version 2 `csd.top_p`
+(the `--top-p` mass bound as a decimal string, or "" without it), and the keys of the other selectors
+that are set (`SELECTOR_METADATA`: `csd.keep`, `csd.min_p`, `csd.tail_samples`), which the reader checks
+against the manifest.
 
 Each block is one Parquet row group, so a reader decodes one row group at a time. A block holds
 the values of its rows with status 0, concatenated in row order: P positions, where the last
 position of each row has no observed token.
 
-Which entries a position stores: with a fixed top-k (no `--top-p`), the k most likely ids; with
-`--top-p P`, the n most likely, where n is the smallest count whose probabilities (float32
-log-probs, summed in float64) reach P, and at most k (so n = k where the top-k holds less than P);
-with `--min-p R`, the n most likely whose probabilities are at least R times the first's (log-probs
-compared in float64, n >= 1; metadata `csd.min_p`); with both, the smaller n.
-The most likely entry is always stored (n >= 1).
+Which entries a position stores is decided by the store's selectors, each stating its rule once in its
+own module (`csd_pipeline/teacher/store/selectors/`: top_k, top_p, min_p, tail_samples, csd_events),
+applied in that order. Every position stores at least its first entry (n >= 1), most likely first (by
+stored value); the layout below is the same whatever the selectors.
 
-With `--tail-samples N` (manifest `config.tail_samples` and `config.sample_seed`, metadata
-`csd.tail_samples`; k is then the top-k plus N + 1), a position also stores the distinct ids of N draws
-from the rest of its distribution, each at log(times drawn * the rest's probability / N), an estimate,
-and the observed token at its exact value where it is more likely than the least likely stored entry
-(`csd_pipeline/teacher/tail_samples.py`). Entries stay most likely first (by stored value).
-
-With `--keep csd-events` (manifest `config.keep`, schema metadata `csd.keep` = "csd-events"; the
-layout is the same), a position stores only those of these entries that the CSD loss turns into
-events with the aligned directory's tables: at the final teacher position of an accepted chunk, the
-candidates that fall into a student spelling class under the chunk's shape plus the observed
-token; elsewhere only the most likely entry (n >= 1 still holds). Entries stay most likely first.
-The CSD events built from such a store equal those built from the whole top-k
-(`csd_pipeline/teacher/event_entries.py`); the baseline losses cannot read it.
-
-Encoding `csd-topk-lzma-v2` (schema version 2) of a block payload (see `csd_pipeline/teacher/codec.py`):
+Encoding `csd-topk-lzma-v2` (schema version 2) of a block payload (see `csd_pipeline/teacher/store/codec.py`):
 
     header (little-endian): magic "CTK2", uint32 P, uint32 k, uint32 id_width (2 or 3),
         uint32 O (positions with an observed next token), uint32 E (stored entries, the sum of
@@ -99,20 +85,37 @@ class RowStatus(IntEnum):
     infinite; the row is rejected (counted as `rejected.non_finite` in the stats) and holds no values."""
 
 
-def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep: str = "top-k",
-                        min_p: float | None = None, tail_samples: int = 0):
+SELECTOR_METADATA = (b"csd.top_p", b"csd.keep", b"csd.min_p", b"csd.tail_samples")
+"""The schema metadata keys of the selectors (`selectors/`) in the order version 2 writes them, after the
+format's own keys (`FORMAT_METADATA`); `csd.top_p` is always there ("" without --top-p), the others only when
+their selector is set. A selector's key not listed here follows them, in the order of the selectors."""
+
+FORMAT_METADATA = (b"csd.schema", b"csd.schema_version", b"csd.k", b"csd.encoding")
+
+
+def selector_metadata_of(metadata: dict) -> dict:
+    """The selectors' keys of a shard's schema metadata: every `csd.` key but the format's and the checksum mark."""
+    from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
+
+    return {key: value for key, value in metadata.items()
+            if key.startswith(b"csd.") and key not in FORMAT_METADATA and key not in PAGE_CHECKSUM_MARK}
+
+
+def teacher_topk_schema(k: int, encoding: str, selector_metadata: dict | None = None):
     """The Arrow schema (version 2) of a teacher top-k shard with at most `k` entries per position.
 
-    The schema metadata records the schema name and version, k, the encoding name, the `--top-p`
-    mass bound (`top_p`, None for a fixed top-k), `csd.keep` = "csd-events" for a store of only the
-    entries CSD reads (`--keep csd-events`; absent for a whole top-k), `csd.min_p` the `--min-p` ratio
-    (absent without it), `csd.tail_samples` the `--tail-samples` draws (absent without them) and that the pages carry
-    checksums (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
+    The schema metadata records the schema name and version, k, the encoding name, the keys the store's
+    selectors declare (`selector_metadata`, `SelectorChain.metadata()`, ordered as `SELECTOR_METADATA` says; the
+    reader checks them against the manifest) and that the pages carry checksums
+    (`csd.page_checksum`, csd_pipeline/runtime/integrity.py).
     """
     import pyarrow as pa
 
     from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
 
+    selector_metadata = {b"csd.top_p": b"", **(selector_metadata or {})}
+    ordered = [key for key in SELECTOR_METADATA if key in selector_metadata]
+    ordered += [key for key in selector_metadata if key not in SELECTOR_METADATA]
     fields = [
         pa.field("row_id", pa.string(), nullable=False),
         pa.field("status", pa.uint8(), nullable=False),
@@ -125,10 +128,7 @@ def teacher_topk_schema(k: int, encoding: str, top_p: float | None = None, keep:
         b"csd.schema_version": str(SCHEMA_VERSION).encode(),
         b"csd.k": str(k).encode(),
         b"csd.encoding": encoding.encode(),
-        b"csd.top_p": b"" if top_p is None else repr(float(top_p)).encode(),
-        **({} if keep == "top-k" else {b"csd.keep": keep.encode()}),
-        **({} if min_p is None else {b"csd.min_p": repr(float(min_p)).encode()}),
-        **({b"csd.tail_samples": str(int(tail_samples)).encode()} if tail_samples else {}),
+        **{key: selector_metadata[key] for key in ordered},
         **PAGE_CHECKSUM_MARK,
     }
     return pa.schema(fields, metadata=metadata)
