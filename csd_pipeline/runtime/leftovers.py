@@ -29,11 +29,13 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def remove_dead_writers_tmp(directory) -> list[Path]:
-    """Remove every `*.<this host>.<pid>.tmp` file of a dead process under `directory`; returns them."""
+def remove_dead_writers_tmp(directory, name: str = "*", recursive: bool = True) -> list[Path]:
+    """Remove every `<name>.<this host>.<pid>.tmp` file of a dead process under `directory` (`recursive`) or in
+    it; returns them. `name`: a glob of the committed file's name (default: any)."""
     host = socket.gethostname()
     removed = []
-    for path in Path(directory).rglob(f"*.{host}.*.tmp"):
+    found = Path(directory).rglob if recursive else Path(directory).glob
+    for path in found(f"{name}.{host}.*.tmp"):
         stem, _, pid = path.name[: -len(".tmp")].rpartition(".")
         if not (stem.endswith(f".{host}") and pid.isdigit() and path.is_file()) or _alive(int(pid)):
             continue

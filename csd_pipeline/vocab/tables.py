@@ -17,6 +17,7 @@ code. Entries are stored by spelling, each spelling represented by its smallest 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -132,6 +133,10 @@ class SubtokenTable:
             "payload_sha256": _payload_hash(tensors),
         }
         meta[_META_HASH] = _metadata_hash(meta)
+        if not is_remote(path):  # a killed earlier write of this table left its temporary file: not ours to keep
+            from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
+
+            remove_dead_writers_tmp(path.parent, glob.escape(path.name), recursive=False)
         try:
             with atomic_path(path) as tmp:
                 save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})

@@ -128,3 +128,24 @@ def test_chain_encoder_process_matches_in_process_chains_and_reports_errors(tmp_
         encoder.send(["a", "b"])
         with pytest.raises(CsdError, match="tokenizer broken: the tokenizers library cannot load it"):
             encoder.result()
+
+
+
+def test_a_killed_writers_temporary_table_is_removed_by_the_next_save(tmp_path):
+    """The soak found it: `kill -9` during a table's write left `<table>.<host>.<pid>.tmp`, which no run removed.
+    The next save of that table removes it; another file's, or a live writer's, stays."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+    path = tmp_path / "student_to_teacher.safetensors"
+    host = socket.gethostname()
+    left, other = tmp_path / f"{path.name}.{host}.{dead}.tmp", tmp_path / f"other.safetensors.{host}.{dead}.tmp"
+    live = tmp_path / f"{path.name}.{host}.{os.getppid()}.tmp"  # a live process (this one writes its own)
+    for stale in (left, other, live):
+        stale.write_bytes(b"partial")
+    built("gpt-2", "gpt-2").save(path)
+    assert path.is_file() and not left.exists() and other.exists() and live.exists()
