@@ -77,6 +77,7 @@ def _events(ev, chunk) -> dict[frozenset, float]:
             for i, e in enumerate(events)}
 
 
+@pytest.mark.slow  # over 5 s: the fast tier keeps make test-fast under 2 minutes
 def test_prefix_events_equal_the_brute_force(german):
     s, t, ctx, rows, dense, s_sp, t_sp, common = german
     members: dict[bytes, set] = {}
@@ -108,6 +109,7 @@ def test_prefix_events_equal_the_brute_force(german):
     assert moved > 5, "the planted teacher-only words should move mass into the events"
 
 
+@pytest.mark.slow  # over 5 s: the fast tier keeps make test-fast under 2 minutes
 def test_prefix_events_from_a_dense_teacher_cover_every_id_with_a_common_prefix(german):
     """Dense teacher, 1:1 chunk: the events hold every teacher id with a common prefix, so REST is exactly the
     mass of the ids with none; the top-k events are a subset of the dense ones (same student ids)."""

@@ -90,6 +90,7 @@ def smollm2_layouts(model_path, tmp_path_factory):
     return {"fixture": fixture, "resaved": resaved}
 
 
+@pytest.mark.slow  # over 5 s: the fast tier keeps make test-fast under 2 minutes
 @pytest.mark.parametrize("layout", ["fixture", "resaved"])
 def test_pretrained_student_export_is_complete_and_checked(smollm2_layouts, layout, tmp_path, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -63,6 +63,7 @@ def positions():
     return logits, kept, next_ids
 
 
+@pytest.mark.slow  # over 5 s: the fast tier keeps make test-fast under 2 minutes
 def test_estimates_are_unbiased_for_every_tail_id(positions):
     """Over 3,000 seeds, the mean stored probability of every tail id is its float64 probability (within
     5 standard errors); kept entries hold their own values, and the kept, observed and padded ids are never
