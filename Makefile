@@ -16,7 +16,7 @@ STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs lint clean
+.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs results lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -31,7 +31,8 @@ help:
 	@echo "make bench-prune  heal a depth-pruned SmolLM2: CE, CSD from Gemma 3, CSD and KD from the unpruned SmolLM2"
 	@echo "make soak        kill -9 the demo's stages and rounds 30 times; outputs must equal an uninterrupted run's (SOAK_ARGS)"
 	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
-	@echo "make docs        regenerate the generated parts of docs/ (the layout table of ARCHITECTURE.md)"
+	@echo "make docs        regenerate the generated parts of docs/ (ARCHITECTURE.md's layout table, RESULTS.md's tables)"
+	@echo "make results     regenerate docs/RESULTS.md's tables from docs/results/*.json"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
 
@@ -67,37 +68,40 @@ demo: fixtures
 # BENCH_CORPUS: a folder with the full corpus files (python-docs.txt, ...); default: the slices in tests/data.
 BENCH_CORPUS ?=
 bench: fixtures
-	$(PY) bench/run_all.py $(if $(BENCH_CORPUS),--corpus $(BENCH_CORPUS))
+	$(PY) -m bench.run_all $(if $(BENCH_CORPUS),--corpus $(BENCH_CORPUS))
 
 bench-quality: fixtures
-	$(PY) bench/bench_quality.py
+	$(PY) -m bench.experiments.quality
 
 # two runs side by side, one thread each: more runs per hour than one run on both cores (docs/RESULTS.md)
 bench-compare: fixtures
-	$(PY) bench/bench_quality.py --comparison --jobs 2
+	$(PY) -m bench.experiments.quality --comparison --jobs 2
 
-# BENCH_ARGS: e.g. --arms "ce,csd kl b1 t1.5" --seeds 0,1,2 (bench/bench_pretrained.py --help)
+# BENCH_ARGS: e.g. --arms "ce,csd kl b1 t1.5" --seeds 0,1,2 (python -m bench.experiments.pretrained --help)
 BENCH_ARGS ?= --jobs 2
 bench-pretrained: fixtures
-	$(PY) bench/bench_pretrained.py $(BENCH_ARGS)
+	$(PY) -m bench.experiments.pretrained $(BENCH_ARGS)
 
 bench-prune: fixtures
-	$(PY) bench/bench_prune.py $(BENCH_ARGS)
+	$(PY) -m bench.experiments.prune $(BENCH_ARGS)
 
 bench-teachers: fixtures
-	$(PY) bench/bench_teachers.py --jobs 2
+	$(PY) -m bench.experiments.teachers --jobs 2
 
-# SOAK_ARGS: e.g. --kills 30 --seed 0, --recipe demo, --kills 0 --resume-repeats 50 (bench/soak.py --help)
+# SOAK_ARGS: e.g. --kills 30 --seed 0, --recipe demo, --engine ray --storage s3, --kills 0 --resume-repeats 50 (bench/soak.py --help)
 SOAK_ARGS ?=
 soak: fixtures
 	OMP_NUM_THREADS=1 $(PY) bench/soak.py $(SOAK_ARGS)
 
 # on the first CUDA device (a few minutes); without one it says "no CUDA device" and exits 0
 gpu-check: fixtures
-	$(PY) bench/gpu_check.py
+	$(PY) -m bench.gpu_check
 
-docs:
+docs: results
 	$(PY) docs/layout.py
+
+results:
+	$(PY) -m bench.experiments.results
 
 lint: venv
 	$(VENV)/bin/ruff check csd_pipeline cli trainer schemas tests bench

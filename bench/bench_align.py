@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CORPUS_FILE = "python-docs.txt"
 SLICE = ROOT / "tests" / "data" / "python-docs-slice.txt"
@@ -107,7 +105,6 @@ def _shard_hashes(out: Path) -> dict:
 
 _MEMORY_CHILD = """
 import json, os, sys, threading, time
-sys.path.insert(0, {root!r})
 from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.align.shard_writer import AlignTokenizers
 from csd_pipeline.align.stage import run_align
@@ -139,9 +136,10 @@ print(json.dumps({{"baseline_mb": baseline, "peak_mb": max(peak[0], rss_mb())}})
 
 def _memory_mb(corpus: Path, out: Path, tables) -> dict:
     """RSS after loading the tokenizers, and the peak RSS while the stage runs (sampled every 5 ms)."""
-    code = _MEMORY_CHILD.format(root=str(ROOT), corpus=str(corpus), student=STUDENT, teacher=TEACHER, out=str(out),
+    code = _MEMORY_CHILD.format(corpus=str(corpus), student=STUDENT, teacher=TEACHER, out=str(out),
                                 shard_bytes=int(SHARD_MB * (1 << 20)), batch_bytes=BATCH_BYTES, tables=tables)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CORPUS_FILE = "python-faq-chat.jsonl"
 SLICE = ROOT / "tests" / "data" / "python-faq-chat-slice.jsonl"

@@ -10,8 +10,8 @@ files are read from the page cache on both sides (the time is decoding and count
 Both readers compute the same tables (rows, documents, text bytes, tokens, chunk statuses and shapes,
 window lengths, per source) and must agree exactly. Each is timed twice, alternating; the best counts.
 
-    python bench/run_all.py inspect [--inspect-gb 1.0]     (default 0.1 GB; --quick 0.02 GB)
-    python bench/bench_inspect.py [--gb 1.0] [--quick]
+    python -m bench.run_all inspect [--inspect-gb 1.0]     (default 0.1 GB; --quick 0.02 GB)
+    python -m bench.bench_inspect [--gb 1.0] [--quick]
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CORPUS = ROOT / "bench" / "corpus" / "rich-train.jsonl"
 DEFAULT_GB, QUICK_GB = 0.1, 0.02

@@ -31,7 +31,7 @@
   take <= 1/3 of the loss step (the data pipeline must outrun the step; the real step also runs
   the model, so this is conservative).
 
-`python bench/bench_loss.py [--quick]` prints the result as JSON.
+`python -m bench.bench_loss [--quick]` prints the result as JSON.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 VOCAB = 128_256
 TOP_K = 32
@@ -152,7 +151,7 @@ def _build_events(positions: int, quick: bool) -> tuple[dict, dict]:
 def _worker(variant: str, events_path: str, positions: int, hidden: int, repeats: int = 1, keep_mb: float = 0.0,
             keep_dtype: str = "float32") -> dict:
     cmd = [
-        sys.executable, str(ROOT / "bench" / "loss_peak_worker.py"), "--variant", variant, "--events", events_path,
+        sys.executable, "-m", "bench.loss_peak_worker", "--variant", variant, "--events", events_path,
         "--positions", str(positions), "--vocab", str(VOCAB), "--hidden", str(hidden), "--repeats", str(repeats),
         "--keep-mb", str(keep_mb), "--keep-dtype", keep_dtype,
     ]
@@ -190,7 +189,7 @@ def run(quick: bool = False) -> dict:
         # Tokenizers and tables live in a child process, so this one stays small while workers run.
         mem_path = str(Path(tmp) / "events-mem.npz")
         done = subprocess.run(
-            [sys.executable, __file__, "--build-events", mem_path, str(mem_positions)],
+            [sys.executable, "-m", "bench.bench_loss", "--build-events", mem_path, str(mem_positions)],
             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
         if done.returncode != 0:
@@ -278,7 +277,7 @@ def run(quick: bool = False) -> dict:
 
 def _gradient_errors(quick: bool) -> dict:
     """Error of the chunked path's gradients in float32, per kept-logits dtype, against float64."""
-    done = subprocess.run([sys.executable, __file__, "--grad-error", "256" if quick else "1024", "256" if quick else "512"],
+    done = subprocess.run([sys.executable, "-m", "bench.bench_loss", "--grad-error", "256" if quick else "1024", "256" if quick else "512"],
                           capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
         raise RuntimeError(f"the gradient error check failed: {done.stderr.strip().splitlines()[-1:]}")

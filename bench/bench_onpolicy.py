@@ -45,8 +45,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TEACHER, TEACHER_TOKENIZER, WINDOW = "smollm2-135m-instruct", "smollm2", 256
-PROMPT_CHARS = 200
+from onpolicy_settings import DEMO, SETTINGS, WINDOW, multilingual_base, multilingual_heldout, multilingual_prompts, units
+
 TRAIN_ARGS_ROUNDS = ["--batch-size", "2", "--workers", "1", "--progress", "false"]  # both arms
 EVAL_SEED = 1234  # the held-out samples of every arm and seed
 
@@ -67,9 +67,9 @@ def base_student(out: Path, steps: int) -> Path:
         return export
     py = sys.executable
     _run([py, "-m", "cli.main", "align", "--corpus", "demo/corpus/devil-train.jsonl", "--student-tokenizer",
-          "llama-spm", "--teacher-tokenizer", TEACHER_TOKENIZER, "--output", str(out / "base" / "aligned"),
+          "llama-spm", "--teacher-tokenizer", DEMO.teacher_tokenizer, "--output", str(out / "base" / "aligned"),
           "--max-student-tokens", str(WINDOW), "--quiet"], "base_data")
-    _run([py, "-m", "cli.main", "teacher-logits", "--aligned", str(out / "base" / "aligned"), "--teacher", TEACHER,
+    _run([py, "-m", "cli.main", "teacher-logits", "--aligned", str(out / "base" / "aligned"), "--teacher", DEMO.teacher,
           "--top-k", str(TOP_K), "--output", str(out / "base" / "teacher"), "--quiet"], "base_data")
     _run([py, "-m", "trainer.main", "--aligned", str(out / "base" / "aligned"), "--teacher-logits",
           str(out / "base" / "teacher"), "--student-config", "demo/student-config.json", "--student-tokenizer",
@@ -86,30 +86,40 @@ def prompts_file(source: str, path: Path, count: int) -> Path:
     return path
 
 
-def off_policy(folder: Path, base: Path, prompts: Path, args, seed: int, completion_chars: int) -> tuple[Path, int]:
-    """Train on {prompt, reference continuation} for rounds x steps steps; returns (export, teacher tokens)."""
+def reference_entries(setting, base: Path, prompts: list[Path]) -> list[dict]:
+    """Every training prompt with its reference continuation: {"source" (the prompt file's name), "prompt",
+    "reference"}, in the order generate reads them."""
     from csd_pipeline.generate.config import GenerateConfig
     from csd_pipeline.generate.stage import GenerateStage, read_prompts
 
+    if setting.prompt_chars == 0:  # the prompt files hold {"prompt", "reference"}
+        return [{"source": path.name, **json.loads(line)} for path in prompts
+                for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    config = GenerateConfig(model=str(base), corpus=[str(p) for p in prompts], output="unused",
+                            prompt_field=setting.prompt_field, prompt_chars=setting.prompt_chars)
+    return [{**e, "source": Path(e["source"]).name} for e in read_prompts(GenerateStage(config).files, config)]
+
+
+def off_policy(folder: Path, base: Path, entries: list[dict], args, seed: int, chars: dict) -> tuple[Path, int]:
+    """Train on {prompt, reference continuation cut to chars[source]} for rounds x steps steps; returns (export,
+    teacher tokens)."""
+    setting = SETTINGS[args.setting]
     records = folder / "records.jsonl"
     if not records.is_file():
-        config = GenerateConfig(model=str(base), corpus=[str(prompts)], output=str(folder / "unused"),
-                                prompt_field="text", prompt_chars=PROMPT_CHARS)
-        entries = read_prompts(GenerateStage(config).files, config)
         folder.mkdir(parents=True, exist_ok=True)
-        records.write_text("".join(json.dumps({"prompt": e["prompt"], "completion": e["reference"][:completion_chars]})
-                                   + "\n" for e in entries), encoding="utf-8")
+        records.write_text("".join(json.dumps({"prompt": e["prompt"], "completion": e["reference"][:chars[e["source"]]]},
+                                              ensure_ascii=False) + "\n" for e in entries), encoding="utf-8")
     py = sys.executable
     if not (folder / "train" / "export" / "config.json").is_file():
         _run([py, "-m", "cli.main", "align", "--corpus", str(records), "--student-tokenizer", str(base),
-              "--teacher-tokenizer", TEACHER_TOKENIZER, "--output", str(folder / "aligned"), "--max-student-tokens",
-              str(WINDOW), "--quiet"], "off_data")
-        _run([py, "-m", "cli.main", "teacher-logits", "--aligned", str(folder / "aligned"), "--teacher", TEACHER,
+              "--teacher-tokenizer", setting.teacher_tokenizer, "--output", str(folder / "aligned"),
+              "--max-student-tokens", str(WINDOW), "--quiet"], "off_data")
+        _run([py, "-m", "cli.main", "teacher-logits", "--aligned", str(folder / "aligned"), "--teacher", setting.teacher,
               "--top-k", "32", "--output", str(folder / "teacher"), "--quiet"], "off_data")
         _run([py, "-m", "trainer.main", "--aligned", str(folder / "aligned"), "--teacher-logits", str(folder / "teacher"),
               "--student", str(base), "--output", str(folder / "train"), "--steps", str(args.rounds * args.steps),
               "--loss", "csd", "--divergence", args.divergence, "--seq-len", str(WINDOW), "--seed", str(seed),
-              "--save-every", "0", *TRAIN_ARGS_ROUNDS], "off_train")
+              "--save-every", "0", *TRAIN_ARGS_ROUNDS, *setting.recipe], "off_train")
         TIMER.train_run(folder / "train", "off_train")
     return folder / "train" / "export", _teacher_tokens(folder / "aligned")
 
@@ -119,7 +129,7 @@ def _teacher_tokens(aligned: Path) -> int:
     return int(manifest["totals"]["stats"]["tokens"]["teacher0"])
 
 
-def evaluate(model: Path, heldout_prompts: Path, out: Path, root: Path, args, teacher) -> dict:
+def evaluate(model: Path, heldout_prompts: list[Path], out: Path, root: Path, args, teacher) -> dict:
     """Teacher bits/byte of the model's samples, distinct 2-grams, reference bits/byte."""
     from csd_pipeline.generate.config import GenerateConfig
     from csd_pipeline.generate.stage import run_generate
@@ -127,17 +137,20 @@ def evaluate(model: Path, heldout_prompts: Path, out: Path, root: Path, args, te
 
     samples = out / "samples"
     with TIMER.phase("eval"):
-        run_generate(GenerateConfig(model=str(model), corpus=[str(heldout_prompts)], output=str(samples),
-                                    prompt_field="text", prompt_chars=PROMPT_CHARS, max_new_tokens=args.max_new_tokens,
+        setting = SETTINGS[args.setting]
+        run_generate(GenerateConfig(model=str(model), corpus=[str(p) for p in heldout_prompts], output=str(samples),
+                                    prompt_field=setting.prompt_field, prompt_chars=setting.prompt_chars,
+                                    max_new_tokens=args.max_new_tokens,
                                     temperature=1.0, seed=EVAL_SEED))
         shards = [samples / shard["file"] for shard in read_manifest(samples, stage="generate")["shards"]]
         records = [json.loads(line) for shard in shards for line in shard.open(encoding="utf-8")]
         nats, n_bytes = teacher_nats(teacher, records)
-        words = [r["completion"].split() for r in records]
+        words = [units(r["completion"]) for r in records]
         pairs = [tuple(w[i:i + 2]) for w in words for i in range(len(w) - 1)]
         return {"teacher_bits_per_byte_of_samples": nats / max(n_bytes, 1) / math.log(2),
                 "distinct_2grams": len(set(pairs)) / max(len(pairs), 1), "sample_bytes": n_bytes,
-                "heldout_bits_per_byte": reference_bits_per_byte(model, root)}
+                **(multilingual_heldout(model) if args.setting == "multilingual"
+                   else {"heldout_bits_per_byte": reference_bits_per_byte(model, root)})}
 
 
 def teacher_nats(teacher, records: list[dict]) -> tuple[float, int]:
@@ -176,7 +189,7 @@ def reference_bits_per_byte(model: Path, root: Path) -> float:
     py = sys.executable
     if not (heldout / "manifest.json").is_file():
         _run([py, "-m", "cli.main", "align", "--corpus", "demo/corpus/devil-heldout.jsonl", "--student-tokenizer",
-              str(model), "--teacher-tokenizer", TEACHER_TOKENIZER, "--output", str(heldout), "--max-student-tokens",
+              str(model), "--teacher-tokenizer", DEMO.teacher_tokenizer, "--output", str(heldout), "--max-student-tokens",
               str(WINDOW), "--quiet"])
     result = subprocess.run([py, "-m", "cli.main", "bits-per-byte", "--aligned", str(heldout), "--model", str(model),
                              "--side", "student", "--seq-len", str(WINDOW), "--json"], cwd=ROOT, check=True,
@@ -184,26 +197,30 @@ def reference_bits_per_byte(model: Path, root: Path) -> float:
     return json.loads(result.stdout)["bits_per_byte"]
 
 
-def run_seed(out: Path, base: Path, train_prompts: Path, args, seed: int) -> dict:
+def run_seed(out: Path, base: Path, train_prompts: list[Path], args, seed: int) -> dict:
     """Both arms for one seed, from the base: {"on_policy"/"off_policy": (export, teacher tokens)}."""
     from csd_pipeline.generate.rounds import RoundsConfig, run_rounds
 
+    setting = SETTINGS[args.setting]
     folder = out / f"seed-{seed}"
     with TIMER.phase("on_policy"):
         on_export = run_rounds(RoundsConfig(
-            student=str(base), teacher=TEACHER, teacher_tokenizer=TEACHER_TOKENIZER, prompts=[str(train_prompts)],
-            output=str(folder / "on-policy"), rounds=args.rounds, steps=args.steps, prompt_field="text",
-            prompt_chars=PROMPT_CHARS, max_new_tokens=args.max_new_tokens, seed=seed, max_student_tokens=WINDOW,
-            divergence=args.divergence,
-            train_args=[" ".join(TRAIN_ARGS_ROUNDS)], device="cpu"))
+            student=str(base), teacher=setting.teacher, teacher_tokenizer=setting.teacher_tokenizer,
+            prompts=[str(p) for p in train_prompts], output=str(folder / "on-policy"), rounds=args.rounds,
+            steps=args.steps, prompt_field=setting.prompt_field, prompt_chars=setting.prompt_chars,
+            max_new_tokens=args.max_new_tokens, seed=seed, max_student_tokens=WINDOW, divergence=args.divergence,
+            train_args=[" ".join([*TRAIN_ARGS_ROUNDS, *setting.recipe])], device="cpu"))
     for r in range(1, args.rounds + 1):
         TIMER.train_run(folder / "on-policy" / f"round-{r}" / "train", "on_policy")
     on_tokens = sum(_teacher_tokens(folder / "on-policy" / f"round-{r}" / "aligned") for r in range(1, args.rounds + 1))
     generated = folder / "on-policy" / "round-1" / "generated"
-    chars = [len(json.loads(line)["completion"]) for shard in sorted(generated.glob("part-*.jsonl"))
-             for line in shard.open(encoding="utf-8")]
-    mean_chars = max(1, sum(chars) // max(len(chars), 1))
-    off = off_policy(folder / "off-policy", base, train_prompts, args, seed, args.rounds * mean_chars)
+    lengths: dict[str, list[int]] = {}  # per prompt file: the round-1 completions' characters
+    for shard in sorted(generated.glob("part-*.jsonl")):
+        for line in shard.open(encoding="utf-8"):
+            record = json.loads(line)
+            lengths.setdefault(Path(record["source"]).name, []).append(len(record["completion"]))
+    chars = {source: args.rounds * max(1, sum(n) // len(n)) for source, n in lengths.items()}
+    off = off_policy(folder / "off-policy", base, reference_entries(setting, base, train_prompts), args, seed, chars)
     return {"on_policy": (on_export, on_tokens, [folder / "on-policy" / f"round-{r}" / "train"
                                                   for r in range(1, args.rounds + 1)]),
             "off_policy": (*off, [folder / "off-policy" / "train"])}
@@ -314,7 +331,9 @@ def estimate(timer: Timer, settings: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="out/bench-onpolicy")
+    parser.add_argument("--setting", default="demo", choices=list(SETTINGS),
+                        help="demo: the demo's student and teacher; multilingual: issue 33's (onpolicy_settings.py)")
+    parser.add_argument("--out", default=None, help="default out/bench-onpolicy (demo), out/bench-onpolicy-multilingual")
     parser.add_argument("--base", default=None, help="a student export that already writes text (default: train one)")
     parser.add_argument("--base-steps", type=int, default=480)
     parser.add_argument("--rounds", type=int, default=2)
@@ -332,16 +351,23 @@ def main(argv: list[str]) -> int:
     except ValueError:
         parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers, e.g. --seeds 0,1,2")
     started = time.perf_counter()
-    out = Path(args.out).resolve()
-    base = Path(args.base) if args.base else base_student(out, args.base_steps)
-    train_prompts = prompts_file("demo/corpus/devil-train.jsonl", out / "prompts-train.jsonl", args.prompts)
-    heldout_prompts = prompts_file("demo/corpus/devil-heldout.jsonl", out / "prompts-heldout.jsonl", args.heldout_prompts)
+    multilingual = args.setting == "multilingual"
+    out = Path(args.out or ("out/bench-onpolicy-multilingual" if multilingual else "out/bench-onpolicy")).resolve()
+    if multilingual:
+        base = Path(args.base) if args.base else multilingual_base(out)
+        train_prompts = multilingual_prompts(out, "train", args.prompts)
+        heldout_prompts = multilingual_prompts(out, "heldout", 0)
+    else:
+        base = Path(args.base) if args.base else base_student(out, args.base_steps)
+        train_prompts = [prompts_file("demo/corpus/devil-train.jsonl", out / "prompts-train.jsonl", args.prompts)]
+        heldout_prompts = [prompts_file("demo/corpus/devil-heldout.jsonl", out / "prompts-heldout.jsonl",
+                                        args.heldout_prompts)]
     arms = {seed: run_seed(out, base, train_prompts, args, seed) for seed in seeds}
 
     from csd_pipeline.runtime.model_loading import load_causal_lm
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
-    loaded = load_causal_lm(TEACHER, dtype="float32", device="cpu")
+    loaded = load_causal_lm(SETTINGS[args.setting].teacher, dtype="float32", device="cpu")
     teacher = (loaded, load_tokenizer(str(loaded.path)))
     runs = [{"arm": "base", "seed": None, **evaluate(base, heldout_prompts, out / "eval" / "base", out, args, teacher)}]
     print("base", json.dumps(runs[-1]), flush=True)

@@ -12,7 +12,7 @@ Two measurements, neither timed:
   take from the files counted (`tests.trainer_cases.counted_file_reads`). The total is what W = 1 reads.
 Before this change every rank read every shard: 1.00 x total at any W.
 
-`python bench/bench_reads.py [--quick]` prints the table; `bench/run_all.py reads` runs it in the suite.
+`python -m bench.bench_reads [--quick]` prints the table; `python -m bench.run_all reads` runs it in the suite.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 WORLDS = (1, 2, 8, 64)
 REAL_WORLDS = (1, 2, 4)

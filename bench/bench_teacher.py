@@ -37,8 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CORPUS_HELP = "folder holding kjv.txt, python-docs.txt, ... (default: the committed bench/corpus/kinds.jsonl)"
 KINDS = ROOT / "bench" / "corpus" / "kinds.jsonl"

@@ -1,9 +1,9 @@
 """Bytes per position of the teacher store, by kind of text and by what each position keeps (issue 21).
 
 The real SmolLM2-135M-Instruct teacher runs once over `bench/corpus/kinds.jsonl` (six kinds of
-text, one aligned shard each, gpt-2 student, 1024-token windows) with its top-128; each setting
-then goes, per setting, through that setting's selectors (`csd_pipeline/teacher/store/selectors/`, built
-from the setting's options as `teacher-logits` builds them) and the store's writer (`write_store`, same blocks,
+text, one aligned shard each, gpt-2 student, 1024-token windows) with its top-128; each setting (a store
+recipe, `recipes/stores/<name>.yaml`) then goes through that setting's selectors
+(`csd_pipeline/teacher/store/selectors/`, built from the setting's options as `teacher-logits` builds them) and the store's writer (`write_store`, same blocks,
 same Parquet file), from those same values:
 
 - `top-128`, `top-64`, `top-32`: a fixed top-k (`--top-k 128`, ...);
@@ -29,7 +29,7 @@ file, and a real top-128 run with the stage's event selection the same bytes as 
 `--teacher gemma3-270m` runs the Gemma 3 270M teacher (262,144 ids; aligned for its own tokenizer)
 instead; `--chars N` keeps the first N characters of each kind (default 16,000; 2,000 in quick mode).
 
-    python bench/bench_teacher_store.py [--quick] [--teacher NAME] [--student NAME] [--chars N] [--json FILE]
+    python -m bench.bench_teacher_store [--quick] [--teacher NAME] [--student NAME] [--chars N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -40,23 +40,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from csd_pipeline.recipes import load_store
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 TEACHER = "smollm2-135m-instruct"
 TEACHER_TOKENIZERS = {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3"}  # model fixture -> its tokenizer
 STORED_K = 128
-# name -> (--top-k, --top-p, --keep, --min-p)
-SETTINGS = {"top-128": (128, None, "top-k", None), "top-64": (64, None, "top-k", None),
-            "top-32": (32, None, "top-k", None), "p0.99": (128, 0.99, "top-k", None),
-            "p0.95": (128, 0.95, "top-k", None), "p0.90": (128, 0.90, "top-k", None),
-            "p0.99k64": (64, 0.99, "top-k", None), "events128": (128, None, "csd-events", None),
-            "events72": (72, None, "csd-events", None), "events68": (68, None, "csd-events", None),
-            "min0.0035": (128, None, "top-k", 0.0035), "events-min0.004": (128, None, "csd-events", 0.004),
-            "events-min0.0035": (128, None, "csd-events", 0.0035)}
-# name -> (--min-p, --tail-samples), each with --top-k 128 --keep csd-events: a real runner of its own per kind
-TAIL_SETTINGS = {"events-min0.01-s32": (0.01, 32), "events-min0.02-s48": (0.02, 48)}
+# The settings measured: store recipes (recipes/stores/<name>.yaml, the `teacher-logits` options they stand for).
+SETTINGS = {name: load_store(f"stores/{name}") for name in (
+    "top-128", "top-64", "top-32", "p0.99", "p0.95", "p0.90", "p0.99k64", "events128", "events72", "events68",
+    "min0.0035", "events-min0.004", "events-min0.0035")}
+# with tail draws: a real runner of its own per kind
+TAIL_SETTINGS = {name: load_store(f"stores/{name}") for name in ("events-min0.01-s32", "events-min0.02-s48")}
 
 
 def _chains(aligned) -> dict:
@@ -65,15 +61,14 @@ def _chains(aligned) -> dict:
     from csd_pipeline.teacher.store.selectors import SelectorChain, chain_from_config
 
     chains, shared = {}, None
-    for name, (top_k, top_p, keep, min_p) in SETTINGS.items():
-        chain = chain_from_config({"top_k": top_k, "top_p": top_p, "keep": keep, "min_p": min_p}, aligned)
-        if keep == "csd-events":
+    for name, store in SETTINGS.items():
+        chain = chain_from_config(store, aligned)
+        if store.get("keep") == "csd-events":
             shared = shared or chain.selectors[-1]
             chain = SelectorChain((*chain.selectors[:-1], shared))
         chains[name] = chain
-    for name, (min_p, samples) in TAIL_SETTINGS.items():
-        chains[name] = chain_from_config({"top_k": STORED_K, "min_p": min_p, "tail_samples": samples,
-                                          "keep": "csd-events"}, aligned)
+    for name, store in TAIL_SETTINGS.items():
+        chains[name] = chain_from_config(store, aligned)
     return chains
 
 
@@ -165,7 +160,8 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
             aligned_rows = aligned.read(shard, aligned.training_columns([0])).to_pylist()
             results = runner.run(rows)
             all_rows += rows
-            for name, (top_k, *_) in SETTINGS.items():
+            for name, store in SETTINGS.items():
+                top_k = store["top_k"]
                 target, chain = tmp / f"{name}-{index}.parquet", chains[name]
                 chosen = chain.row_cut(aligned_rows)
                 cut = [chain.cut_row(result, row) for result, row in zip(results, rows)]  # the forward's selectors
@@ -201,8 +197,8 @@ def run(quick: bool = False, teacher: str = TEACHER, chars: int | None = None, s
                                     events.row_cut(aligned_rows))
                 same_events = (tmp / "real-events128.parquet").read_bytes() == (tmp / "events128-0.parquet").read_bytes()
         seconds = time.perf_counter() - began
-        for name, (top_k, *_) in SETTINGS.items():
-            size, positions = totals[name]
+        for name, store in SETTINGS.items():
+            top_k, (size, positions) = store["top_k"], totals[name]
             metrics[f"all/{name}/bytes_per_position"] = round(size / positions, 2)
             metrics[f"all/{name}/pooled_block_payload_bytes_per_position"] = round(
                 _pooled_block(all_stored[name], all_rows, top_k), 2)

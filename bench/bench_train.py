@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CORPUS_FILE = "botchan.txt"
 SLICE = ROOT / "tests" / "data" / "botchan-slice.txt"

@@ -1,4 +1,4 @@
-"""The command line of a text benchmark run alone (align, chat, train): `python bench/bench_<topic>.py
+"""The command line of a text benchmark run alone (align, chat, train): `python -m bench.bench_<topic>
 [--quick] [--corpus DIR]` runs it and prints its result as indented JSON (`run_all.py` runs them together).
 """
 

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 CORPUS = ROOT / "demo" / "corpus" / "devil-train.jsonl"
 TEACHER = "smollm2-135m-instruct"

@@ -1,6 +1,6 @@
 """Gradient error of the chunked loss per kept-logits dtype, against the same path in float64 (bench_loss).
 
-    python bench/bench_loss.py --grad-error P H
+    python -m bench.bench_loss --grad-error P H
 
 CE + CSD of real llama-bpe / qwen2 events (teacher top-32, as in the memory benchmark) from hidden
 states [P, H] and an LM head [V, H] drawn as in `loss_peak_worker.py` (N(0, 0.05^2) each), once
@@ -15,10 +15,7 @@ and the hidden states' gradients: Frobenius norm of the error over that of the f
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 VARIANTS = {"none_kept": (0, "float32"), "float32_kept": (1 << 40, "float32"),
             "float16_kept": (1 << 40, "float16"), "bfloat16_kept": (1 << 40, "bfloat16")}

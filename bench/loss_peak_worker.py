@@ -1,6 +1,6 @@
 """One loss forward+backward in its own process: its allocations and its time (bench_loss).
 
-    python bench/loss_peak_worker.py --variant chunked|naive|ce --events EVENTS.npz \
+    python -m bench.loss_peak_worker --variant chunked|naive|ce --events EVENTS.npz \
         --positions P --vocab V --hidden H [--chunk-size C] [--keep-mb M] \
         [--keep-dtype float32|float16|bfloat16] [--repeats R] [--threads N] [--grad-out FILE.npz]
 
@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def _peak_rss_bytes() -> int:

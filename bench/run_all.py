@@ -2,7 +2,7 @@
 
 Each `bench/bench_<topic>.py` exposes `run(quick=False) -> {"name", "metrics", "checks"}`; checks
 are ratios measured inside one run, so a noisy shared machine slows both sides alike.
-`python bench/run_all.py [--quick] [--corpus DIR] [--inspect-gb GB] [topic ...]` runs a subset. The
+`python -m bench.run_all [--quick] [--corpus DIR] [--inspect-gb GB] [topic ...]` runs a subset. The
 benchmarks that read text (align, chat, teacher, train) use the committed slices in tests/data unless
 `--corpus DIR` names a folder with the full files (python-docs.txt, python-faq-chat.jsonl, botchan.txt,
 ...; see each module's docstring); `--inspect-gb` sizes the output `bench_inspect` scans (default 0.1 GiB).
@@ -31,13 +31,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("topics", nargs="*", help=f"a subset of {', '.join(TOPICS)}")
     args = parser.parse_args(argv)
     quick, topics = args.quick, args.topics or list(TOPICS)
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
     results, failed = [], False
     for topic in topics:
         started = time.perf_counter()
         try:
-            module = importlib.import_module(f"bench_{topic}")
+            module = importlib.import_module(f"bench.bench_{topic}")
         except ModuleNotFoundError:
             print(f"[bench] {topic}: no bench/bench_{topic}.py yet, skipped", file=sys.stderr)
             continue

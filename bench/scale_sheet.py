@@ -21,7 +21,7 @@ from 2 x parameters x teacher tokens at ASSUMED_TFLOPS (an assumption, not a mea
 trainer's read bandwidth per GPU. Teacher bytes per position come from `bench/bench_teacher_store.py`
 (`--teacher-bytes`, default its all-kinds result). Prints JSON.
 
-    python bench/scale_sheet.py [--json FILE]
+    python -m bench.scale_sheet [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,23 +32,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from csd_pipeline.recipes import load_store
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DATA = ROOT / "tests" / "data"
 ASSUMED_TFLOPS = 400.0  # bf16 forward per GPU: about 40% of an H100's dense peak; an assumption
 TEACHERS = {"1B": 1.24e9, "8B": 8.03e9, "70B": 70.6e9}  # parameters (Llama 3.2 1B, 3.1 8B, 3.1 70B)
 # Bytes per teacher position of the store, SmolLM2-135M-Instruct on bench/corpus/kinds.jsonl
-# (python bench/bench_teacher_store.py, all kinds, shard files).
+# (python -m bench.bench_teacher_store, all kinds, shard files).
 TEACHER_BYTES = {"top-128": 237.87, "top-32": 60.37, "p0.99": 185.37, "p0.90": 101.58, "events128": 168.5,
                  "events-min0.0035": 72.46, "events-min0.02-s48": 72.96}
-# name -> (--top-k, --top-p, --min-p, --keep, --tail-samples)
-SETTINGS = {"top-128": (128, None, None, "top-k", 0), "top-32": (32, None, None, "top-k", 0),
-            "p0.99": (128, 0.99, None, "top-k", 0), "p0.90": (128, 0.90, None, "top-k", 0),
-            "events128": (128, None, None, "csd-events", 0),
-            "events-min0.0035": (128, None, 0.0035, "csd-events", 0),
-            "events-min0.02-s48": (128, None, 0.02, "csd-events", 48)}
+# The settings: store recipes (recipes/stores/<name>.yaml), those TEACHER_BYTES has a figure for.
+SETTINGS = {name: load_store(f"stores/{name}") for name in TEACHER_BYTES}
 STEP = {"tokens_per_gpu": 8 * 4096, "seconds": 1.0}  # the trainer example: 8 windows of 4096 per GPU per second
 
 
@@ -117,10 +113,9 @@ def measure_codec(aligned_dir: Path, positions: int = 4000) -> dict:
     forward = time.process_time() - began
     observed_ids = np.concatenate([np.append(row[1:], -1) for row in rows])
     out = {"positions": count}
-    for name, (k, top_p, min_p, keep, samples) in SETTINGS.items():
+    for name, store in SETTINGS.items():
         # the setting's selectors, as teacher-logits builds them from its options
-        chain = chain_from_config({"top_k": k, "top_p": top_p, "min_p": min_p, "keep": keep, "tail_samples": samples},
-                                  aligned)
+        chain, k, samples = chain_from_config(store, aligned), store["top_k"], store.get("tail_samples")
         drawn, draw_seconds = results, 0.0
         if samples:  # the draws come with the forward: a runner of their own
             tail_runner = TeacherRunner(loaded, top_k=k, vocab_limit=runner.vocab_limit, batch_tokens=8192,

@@ -2,6 +2,7 @@
 
     python bench/soak.py [--kills 30] [--seed 0] [--out out/soak] [--recipe small|demo]
     python bench/soak.py --kills 0 --resume-repeats 50      # only the worker-process resume, repeated
+    python bench/soak.py --kills 8 --engine ray --storage s3  # stages on a local Ray, outputs in S3 (moto)
 
 First the recipe (bench/soak_recipe.py) runs once uninterrupted; its outputs become OUT/reference.
 Then the same commands run again in the same folder (OUT/run) while the soak kills the running command
@@ -19,13 +20,18 @@ starts the same command again. A kill is one of:
 
 Only the command's own process is killed: whatever it started (loader workers, align workers, the
 rounds driver's csd-train) must end by itself within `--orphan-bound` seconds (a process that does not is
-reported and ended by the soak). A kill whose command finishes first is carried to the next command.
+reported and ended by the soak). A kill whose command finishes first is carried to the next command;
+kills still left when the last command has finished are dealt over the commands again, from the first, in
+the same folder (a lap): every command is then complete, and each such kill (`rerun`) falls at a moment
+over the command's last finished attempt, so a re-run of complete work is killed and must leave the same
+bytes. At most `--max-laps` laps (default 4); a kill still not delivered fails the soak.
 
 At the end the soak compares OUT/run with OUT/reference: every file of every stage output (sha256,
 per-rank stats aside), every step's logged values of every training run (losses, counts, learning
 rate, gradient norm, held-out bits per byte; not the timings), every byte of every export, and that no
-`*.tmp` file or folder nor failed export is left. It prints each kill (command, trigger, seconds into
-the attempt, where it was) and the verdict, and writes OUT/soak.json. Exit 0 when everything holds.
+`*.tmp` file or folder nor failed export is left, and that every planned kill was delivered. It prints
+each kill (lap, command, trigger, seconds into the attempt, where it was) and the verdict, and writes
+OUT/soak.json. Exit 0 when everything holds.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ TRIGGERS = {"tables": ("time", "shard"), "stage": ("time", "shard", "hook"),
 SHARD_HOOKS = ("before_rename", "before_marker", "after_marker", "manifest_written")
 CHECKPOINT_HOOKS = ("checkpoint_written", "checkpoint_complete")
 POLL_S = 0.005
+STORE_POLL_S = 0.05  # an object-store output is listed over HTTP: poll it less often
+RERUN_SHARE = 0.8  # a rerun kill falls in the first 80% of the command's last finished attempt
 
 
 @dataclass
@@ -77,6 +85,7 @@ class Outcome:
     hook: str = ""
     orphans: list = field(default_factory=list)  # processes it started that outlived it by the bound
     orphans_ended_s: float = 0.0                  # how long the last of its processes took to end after it
+    lap: int = 1                                  # the soak's pass over the commands it came in
 
 
 def session_processes(sid: int) -> list[int]:
@@ -94,7 +103,18 @@ def session_processes(sid: int) -> list[int]:
     return found
 
 
-def plan(commands: list[Command], durations: list[float], kills: int, rng: random.Random) -> list[Kill]:
+def hooks_for(kind: str, engine: str) -> tuple[str, ...]:
+    """The `CSD_TEST_CRASH` points a command of `kind` reaches (on Ray a stage's shards are written by
+    actors, which do not see the driver's variables: only its manifest hook is left)."""
+    if kind == "train":
+        return CHECKPOINT_HOOKS
+    if kind == "rounds":
+        return SHARD_HOOKS + CHECKPOINT_HOOKS
+    return ("manifest_written",) if engine == "ray" else SHARD_HOOKS
+
+
+def plan(commands: list[Command], durations: list[float], kills: int, rng: random.Random,
+         engine: str = "local") -> list[Kill]:
     """`kills` kills over the commands, more where more time is spent; a command's second and later
     kills are in a recovery one time in three."""
     planned, per_command = [], [0] * len(commands)
@@ -104,10 +124,7 @@ def plan(commands: list[Command], durations: list[float], kills: int, rng: rando
         trigger = rng.choice(TRIGGERS[kind])
         if per_command[index] and rng.random() < 1 / 3:
             trigger = "recovery"
-        hook = ""
-        if trigger == "hook":
-            hook = rng.choice(CHECKPOINT_HOOKS if kind == "train" else
-                              SHARD_HOOKS + CHECKPOINT_HOOKS if kind == "rounds" else SHARD_HOOKS)
+        hook = rng.choice(hooks_for(kind, engine)) if trigger == "hook" else ""
         planned.append(Kill(index, trigger, rng.random(), hook))
         per_command[index] += 1
     if kills >= 3:
@@ -167,12 +184,13 @@ def shards_left(folder: Path) -> int:
     return max(0, tasks - len(list((folder / "done").glob("*.done"))))
 
 
-def fit(kill: Kill, index: int, kind: str) -> Kill:
-    """A kill carried from another command, made one that `kind` of command can receive."""
+def fit(kill: Kill, index: int, kind: str, engine: str = "local") -> Kill:
+    """A kill carried from another command (or drawn before the engine was known), made one that `kind`
+    of command can receive."""
     trigger, hook = kill.trigger, kill.hook
     if trigger not in TRIGGERS[kind] + ("recovery",):
         trigger, hook = "time", ""
-    hooks = {"train": CHECKPOINT_HOOKS, "rounds": SHARD_HOOKS + CHECKPOINT_HOOKS}.get(kind, SHARD_HOOKS)
+    hooks = hooks_for(kind, engine)
     if trigger == "hook" and hook not in hooks:
         hook = hooks[int(kill.fraction * len(hooks))]
     return Kill(index, trigger, kill.fraction, hook)
@@ -180,10 +198,16 @@ def fit(kill: Kill, index: int, kind: str) -> Kill:
 
 def temporary(command: Command, trigger: str) -> set[str]:
     """The temporary files or folders of the trigger's kind in the command's output now."""
+    found = set()
+    if trigger == "shard" and not isinstance(command.output, Path):  # an object is staged in TMPDIR, then uploaded
+        found = {str(p) for p in (Path(os.environ.get("TMPDIR", "/tmp")) / "csd-pipeline-staging").rglob("*.tmp")}
     if not command.output.exists():
-        return set()
+        return found
     pattern = "checkpoints/step-*.tmp" if trigger == "checkpoint" else "*.tmp"
-    return {str(p) for p in command.output.rglob(pattern)}
+    found |= {str(p) for p in command.output.rglob(pattern)}
+    if trigger == "checkpoint" and not isinstance(command.output, Path):  # DCP writes step-N/ in place there
+        found |= {str(p) for p in command.output.glob("checkpoints/step-*") if not (p / "complete.json").exists()}
+    return found
 
 
 def trigger_due(kill: Kill, command: Command, started: float, duration: float, first_progress: float,
@@ -191,7 +215,7 @@ def trigger_due(kill: Kill, command: Command, started: float, duration: float, f
     """Whether to kill now. `stale`: what a killed run left (updated: the re-run removes it, then a
     new one of the same name is this run's own)."""
     elapsed = time.monotonic() - started
-    if kill.trigger == "time":
+    if kill.trigger in ("time", "rerun"):
         return elapsed >= kill.fraction * duration
     if kill.trigger == "recovery":
         return elapsed >= kill.fraction * first_progress
@@ -243,7 +267,7 @@ def attempt(command: Command, kill: Kill | None, duration: float, first_progress
             os.kill(process.pid, signal.SIGKILL)
             killed = True
             break
-        time.sleep(POLL_S)
+        time.sleep(POLL_S if isinstance(command.output, Path) else STORE_POLL_S)
     process.wait()
     seconds = time.monotonic() - started
     if hook and process.returncode != 0:
@@ -281,40 +305,64 @@ def reference_run(commands: list[Command], options, log_file) -> tuple[list[floa
     return durations, firsts
 
 
-def soak(commands: list[Command], planned: list[Kill], durations, firsts, options, log_file) -> list[Outcome]:
-    outcomes, carried = [], []
-    for index, command in enumerate(commands):
-        queue = carried + [k for k in planned if k.command == index]
+def soak(commands: list[Command], planned: list[Kill], durations, firsts, options,
+         log_file) -> tuple[list[Outcome], int]:
+    """Deliver the planned kills: lap 1 runs the commands in order, each killed as planned and run again
+    until it finishes; kills left when the last command finished are dealt over the commands again (lap 2
+    and on, every command already complete), at most `--max-laps` laps. Returns the outcomes and the
+    number of kills still not delivered."""
+    outcomes, last_finished = [], list(durations)
+    queues = [[k for k in planned if k.command == index] for index in range(len(commands))]
+    for lap in range(1, options.max_laps + 1):
         carried = []
-        for position, kill in enumerate(queue):
-            kill = fit(kill, index, command.kind)
+        for index, command in enumerate(commands):
+            carried = _deliver(command, index, lap, carried + queues[index], durations, firsts, last_finished,
+                               options, log_file, outcomes)
+        if not carried:
+            return outcomes, 0
+        queues = [carried[index::len(commands)] for index in range(len(commands))]
+    return outcomes, len(carried)
+
+
+def _deliver(command: Command, index: int, lap: int, queue: list[Kill], durations, firsts, last_finished,
+             options, log_file, outcomes: list[Outcome]) -> list[Kill]:
+    """Run `command` killed by each kill of `queue` in turn, then to its end; return the kills it finished
+    before. Lap 2 and on, every kill is a `rerun`: a moment over its last finished attempt (it is complete)."""
+    for position, kill in enumerate(queue):
+        if lap > 1:
+            kill, duration = Kill(index, "rerun", kill.fraction), RERUN_SHARE * last_finished[index]
+        else:
+            kill, duration = fit(kill, index, command.kind, options.engine), durations[index]
             if kill.trigger == "recovery" and not position:  # carried here: no killed run to recover from
                 kill.trigger = "time"
-            outcome = attempt(command, kill, durations[index], firsts[index], options, log_file)
-            if not outcome.killed:  # the command finished first: the rest of its kills go to the next command
-                carried = queue[position + 1:] + [kill]
-                break
-            outcomes.append(outcome)
-            print(f"kill {len(outcomes):3d}: {outcome.command:16s} {outcome.trigger:10s} {outcome.hook:24s} "
-                  f"{outcome.seconds:7.2f} s  {outcome.where}"
-                  + (f"  ORPHANS {outcome.orphans}" if outcome.orphans else ""), flush=True)
-        else:
-            attempt(command, None, durations[index], firsts[index], options, log_file)
-    if carried:
-        print(f"soak: {len(carried)} kill(s) not delivered: every command finished before them", flush=True)
-    return outcomes
+        outcome = attempt(command, kill, duration, firsts[index], options, log_file)
+        if not outcome.killed:  # the command finished first: the rest of its kills go to the next command
+            last_finished[index] = outcome.seconds
+            return queue[position + 1:] + [queue[position]]
+        outcome.lap = lap
+        outcomes.append(outcome)
+        print(f"kill {len(outcomes):3d}: lap {lap} {outcome.command:16s} {outcome.trigger:10s} {outcome.hook:24s} "
+              f"{outcome.seconds:7.2f} s  {outcome.where}"
+              + (f"  ORPHANS {outcome.orphans}" if outcome.orphans else ""), flush=True)
+    last_finished[index] = attempt(command, None, durations[index], firsts[index], options, log_file).seconds
+    return []
 
 
-def verdict(commands: list[Command], reference: Path, work: Path, outcomes: list[Outcome]) -> dict:
-    problems = []
+def verdict(commands: list[Command], reference: Path, work: Path, outcomes: list[Outcome], undelivered: int,
+            laps: int, staged: list[str]) -> dict:
+    """Compare `work` with `reference` (object-store outputs fetched into `work` first); `staged`: the
+    staging files left in the commands' TMPDIR."""
+    problems = [f"{undelivered} planned kill(s) not delivered in {laps} laps"] if undelivered else []
     for command in commands:
         for kind, folder in command.outputs:
-            problems += compare(kind, reference / folder.relative_to(work), folder)
-    partial = leftovers(work)
+            relative = Path(str(folder).rsplit(f"/{work.name}/", 1)[1])  # under work or its bucket prefix
+            problems += compare(kind, reference / relative, work / relative)
+    partial = leftovers(work) + [f"TMPDIR/{name}" for name in staged]
     problems += [f"left behind: {name}" for name in partial]
     problems += [f"kill {i + 1} ({o.command}): processes {o.orphans} outlived it by the bound"
                  for i, o in enumerate(outcomes) if o.orphans]
-    return {"ok": not problems, "problems": problems, "kills": len(outcomes)}
+    return {"ok": not problems, "problems": problems, "kills": len(outcomes),
+            "laps": max((o.lap for o in outcomes), default=1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,6 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-heldout", action="store_true", help="no held-out align and no evaluation")
     parser.add_argument("--orphan-bound", type=float, default=30.0,
                         help="seconds a killed command's processes have to end (default 30)")
+    parser.add_argument("--engine", choices=("local", "ray"), default="local",
+                        help="ray: align and teacher-logits run as drivers on a local Ray cluster the soak starts")
+    parser.add_argument("--storage", choices=("local", "s3"), default="local",
+                        help="s3: the outputs of align, teacher-logits and csd-train in s3:// on a moto server "
+                             "the soak starts on 127.0.0.1 (the tables stay local; no rounds)")
+    parser.add_argument("--max-laps", type=int, default=4,
+                        help="kills left when the last command finishes go round the commands again, at most "
+                             "this many passes in all (default 4)")
     parser.add_argument("--attempt-timeout", type=float, default=1800.0, help="a longer attempt is a hang")
     parser.add_argument("--resume-repeats", type=int, default=0,
                         help="also run the worker-process resume (stop, then --resume, 2 loader workers) this "
@@ -363,19 +419,25 @@ def run_soak(options, out: Path) -> dict:
     for folder in (work, reference):
         shutil.rmtree(folder, ignore_errors=True)
     work.mkdir(parents=True)
-    commands = recipe(options, work)
-    with open(out / "soak.log", "w", encoding="utf-8") as log_file:
+    from soak_backends import backends
+
+    with open(out / "soak.log", "w", encoding="utf-8") as log_file, \
+            backends(options.engine, options.storage, out) as started_backends:
+        commands = recipe(options, work, started_backends.store(work), started_backends.engine_args())
         started = time.monotonic()
         durations, firsts = reference_run(commands, options, log_file)
         reference_s = time.monotonic() - started
+        started_backends.fetch(work)
         work.rename(reference)
         work.mkdir()
-        commands = recipe(options, work)
-        planned = plan(commands, durations, options.kills, random.Random(options.seed))
+        commands = recipe(options, work, started_backends.store(work), started_backends.engine_args())
+        planned = plan(commands, durations, options.kills, random.Random(options.seed), options.engine)
         started = time.monotonic()
-        outcomes = soak(commands, planned, durations, firsts, options, log_file)
+        outcomes, undelivered = soak(commands, planned, durations, firsts, options, log_file)
         soak_s = time.monotonic() - started
-    result = verdict(commands, reference, work, outcomes)
+        started_backends.fetch(work)
+        staged = started_backends.leftovers()
+    result = verdict(commands, reference, work, outcomes, undelivered, options.max_laps, staged)
     print(f"\nsoak: {result['kills']} kills delivered; reference {reference_s:.0f} s, soak {soak_s:.0f} s", flush=True)
     for problem in result["problems"]:
         print(f"  FAIL {problem}", flush=True)

@@ -57,12 +57,15 @@ def write_corpus(corpus: Path, docs: int, heldout_docs: int) -> tuple[Path, Path
     return paths[0], paths[1]
 
 
-def recipe(options, work: Path) -> list[Command]:
-    """The soak's commands, writing under `work`."""
+def recipe(options, work: Path, store=None, engine_args: tuple = ()) -> list[Command]:
+    """The soak's commands, writing under `work`; the outputs of align, teacher-logits and csd-train under
+    `store` (default `work`; an object-store path with `--storage s3`, and then no rounds), and align and
+    teacher-logits on the engine of `engine_args` (bench/soak_backends.py)."""
     sys.path.insert(0, str(ROOT))
     from demo.run import CSD_ARGS, STORE_ARGS, TOP_K
 
     demo = options.recipe == "demo"
+    store = work if store is None else store
     train_corpus, heldout_corpus = write_corpus(work.parent / "corpus", 0 if demo else options.docs,
                                                 0 if demo else options.heldout_docs)
     tables = work / "tables"
@@ -74,24 +77,25 @@ def recipe(options, work: Path) -> list[Command]:
     for name, corpus in (("aligned", train_corpus), ("heldout", heldout_corpus))[:1 if options.no_heldout else 2]:
         commands.append(Command(f"align {name}", _pipeline(
             "align", "--corpus", corpus, "--student-tokenizer", STUDENT_TOKENIZER, "--teacher-tokenizer",
-            TEACHER_TOKENIZER, "--tables", s2t, t2s, "--output", work / name, "--max-student-tokens", WINDOW,
-            "--max-teacher-tokens", WINDOW, "--quiet", *shard), work / name, "stage"))
+            TEACHER_TOKENIZER, "--tables", s2t, t2s, "--output", store / name, "--max-student-tokens", WINDOW,
+            "--max-teacher-tokens", WINDOW, "--quiet", *shard, *engine_args), store / name, "stage"))
     commands.append(Command("teacher-logits", _pipeline(
-        "teacher-logits", "--aligned", work / "aligned", "--teacher", options.teacher, "--top-k", TOP_K,
-        *STORE_ARGS, "--output", work / "teacher", "--device", "cpu", "--quiet"), work / "teacher", "stage"))
+        "teacher-logits", "--aligned", store / "aligned", "--teacher", options.teacher, "--top-k", TOP_K,
+        *STORE_ARGS, "--output", store / "teacher", "--device", "cpu", "--quiet", *engine_args),
+        store / "teacher", "stage"))
     steps = 480 if demo else options.steps
     arms = {"csd": CSD_ARGS, "ce": ["--loss", "ce"]} if demo else {"csd": CSD_ARGS}
     for arm, loss_args in arms.items():
-        output = work / f"student-{arm}"
+        output = store / f"student-{arm}"
         commands.append(Command(f"csd-train {arm}", _train(
-            "--aligned", work / "aligned", "--teacher-logits", work / "teacher", "--student-config",
+            "--aligned", store / "aligned", "--teacher-logits", store / "teacher", "--student-config",
             options.student_config, "--student-tokenizer", STUDENT_TOKENIZER, "--output", output, "--steps", steps,
-            *([] if options.no_heldout else ["--eval-aligned", work / "heldout", "--eval-every", max(steps // 2, 1)]),
+            *([] if options.no_heldout else ["--eval-aligned", store / "heldout", "--eval-every", max(steps // 2, 1)]),
             "--seq-len", WINDOW,
             "--batch-size", 2, "--lr", "3e-3", "--warmup-steps", min(80, steps // 4), "--seed", 0,
             "--save-every", options.save_every, "--workers", 1, "--device", "cpu", "--progress", "false",
             "--resume", *loss_args), output, "train"))
-    if options.no_rounds:
+    if options.no_rounds or store != work:
         for command in commands:
             command.outputs = [(command.kind, command.output)]
         return commands

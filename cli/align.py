@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, placement_options
 from cli.outputs import run_stage_command
 from csd_pipeline.align.config import AlignConfig
-from csd_pipeline.runtime.options import MIB
+from csd_pipeline.runtime.options import MIB, config_option, placement_options
 
 
 def _table_pairs(ctx, param, pairs):

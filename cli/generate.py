@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, placement_options
 from cli.outputs import run_stage_command
 from csd_pipeline.generate.config import GenerateConfig
+from csd_pipeline.runtime.options import config_option, placement_options
 
 
 @click.command()

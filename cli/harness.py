@@ -9,22 +9,21 @@ from __future__ import annotations
 import click
 
 from csd_pipeline.evaluation.harness import EvaluateConfig
-from csd_pipeline.runtime.options import default_of
+from csd_pipeline.runtime.options import config_field, config_option
 
 
 @click.command("evaluate")
-@click.option("--model", "model_arg", help="HF folder (a csd-train export), fixture or hub name.")
-@click.option("--tasks", help="Task, group or tag names separated by commas (e.g. csd_next_sentence).")
-@click.option("--include-path", "include_paths", multiple=True, type=click.Path(),
-              help="A folder of your own task YAML files (repeatable).")
-@click.option("--limit", type=int, default=None, help="At most N documents per task (default: all).")
-@click.option("--batch-size", default=default_of(EvaluateConfig, "batch_size"), show_default=True, help="Requests per forward pass.")
-@click.option("--num-fewshot", type=int, default=None, help="Few-shot examples (default: each task's own).")
-@click.option("--device", default=default_of(EvaluateConfig, "device"), show_default=True, help="auto, cpu or cuda (float32 on CPU, bf16 on GPU).")
-@click.option("--seed", default=default_of(EvaluateConfig, "seed"), show_default=True, help="The harness's random, numpy, torch and few-shot seeds.")
+@config_option(EvaluateConfig, "model", required=False)
+@click.option("--tasks", help=config_field(EvaluateConfig, "tasks").metadata["help"])
+@config_option(EvaluateConfig, "include_paths", "--include-path", type=click.Path(), required=False)
+@config_option(EvaluateConfig, "limit", type=int)
+@config_option(EvaluateConfig, "batch_size")
+@config_option(EvaluateConfig, "num_fewshot", type=int)
+@config_option(EvaluateConfig, "device")
+@config_option(EvaluateConfig, "seed")
 @click.option("--output", type=click.Path(dir_okay=False), help="Write the harness's results as JSON here.")
 @click.option("--list-tasks", is_flag=True, help="Print every task name, this project's first, and exit.")
-def evaluate(model_arg, tasks, include_paths, limit, batch_size, num_fewshot, device, seed, output, list_tasks):
+def evaluate(model, tasks, include_paths, limit, batch_size, num_fewshot, device, seed, output, list_tasks):
     """Score MODEL on lm-evaluation-harness tasks (offline: the project's own csd_next_sentence)."""
     from csd_pipeline.errors import CsdError
     from csd_pipeline.evaluation import harness
@@ -33,11 +32,11 @@ def evaluate(model_arg, tasks, include_paths, limit, batch_size, num_fewshot, de
         for name in harness.list_tasks(list(include_paths)):
             click.echo(name)
         return
-    missing = [flag for flag, value in (("--model", model_arg), ("--tasks", tasks), ("--output", output)) if not value]
+    missing = [flag for flag, value in (("--model", model), ("--tasks", tasks), ("--output", output)) if not value]
     if missing:
         raise CsdError(f"evaluate needs {', '.join(missing)}; e.g. csd-pipeline evaluate --model out/run/export "
                        "--tasks csd_next_sentence --output results.json")
-    config = EvaluateConfig(model=model_arg, tasks=[t.strip() for t in tasks.split(",")],
+    config = EvaluateConfig(model=model, tasks=[t.strip() for t in tasks.split(",")],
                             include_paths=list(include_paths), limit=limit, batch_size=batch_size,
                             device=device, num_fewshot=num_fewshot, seed=seed)
     results = harness.evaluate(config)

@@ -7,7 +7,6 @@ Subcommands live in their own modules and are imported only when invoked, so tha
 from __future__ import annotations
 
 import importlib
-import sys
 
 import click
 
@@ -97,39 +96,12 @@ def cli():
 
 
 def run_cli(command, argv=None) -> None:
-    """Run a click command, turning a `CsdError` into one line on stderr and exit code 2."""
-    from csd_pipeline.errors import CsdError
+    """Run a click command under the one error-to-exit wrapper (`csd_pipeline.errors.exit_on_error`)."""
+    from csd_pipeline.errors import exit_on_error
 
-    try:
-        command.main(args=argv, standalone_mode=False)
-    except CsdError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(err.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
-    except click.exceptions.Exit as err:
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted; re-run the same command to resume", err=True)
-        sys.exit(130)
-    except OSError as err:  # disk full, read-only output, ... that no stage turned into a CsdError
-        from csd_pipeline.runtime.io_errors import io_error_message
-        from csd_pipeline.runtime.storage import describe_error
-
-        rerun = "run the same command again (align and teacher-logits resume where they stopped)"
-        click.echo(f"error: {describe_error(err) or io_error_message(err, rerun)}", err=True)
-        sys.exit(CsdError.exit_code)
-    except Exception as err:  # an object store's client error (botocore, aiohttp): one line naming the URL
-        from csd_pipeline.runtime.storage import describe_error
-
-        if describe_error(err) is None:
-            raise
-        click.echo(f"error: {describe_error(err)}", err=True)
-        sys.exit(CsdError.exit_code)
+    exit_on_error(lambda: command.main(args=argv, standalone_mode=False),
+                  rerun="run the same command again (align and teacher-logits resume where they stopped)",
+                  interrupted="interrupted; re-run the same command to resume")
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ import json
 
 import click
 
-from cli.options import values_for
+from csd_pipeline.runtime.options import values_for
 
 
 @click.command()

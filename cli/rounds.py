@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, values_for
 from csd_pipeline.generate.rounds import RoundsConfig
+from csd_pipeline.runtime.options import config_option, values_for
 
 
 @click.command()

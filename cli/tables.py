@@ -6,7 +6,7 @@ import json
 
 import click
 
-from cli.options import config_option
+from csd_pipeline.runtime.options import config_option
 from csd_pipeline.vocab.config import TableBuildConfig, TableCheckConfig, TablePairConfig
 
 
@@ -23,7 +23,11 @@ def tables():
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def build(source_tokenizer, destination_tokenizer, output, trust_remote_code, quiet):
     """Build the (source -> destination) table."""
+    from csd_pipeline.runtime import storage
     from csd_pipeline.vocab.tokenizer_files import open_tokenizer
+
+    if storage.is_url(output):  # a missing bucket or refused credentials fail before the build
+        storage.check_writable(storage.location(output).parent)
 
     # build_table encodes with the destination tokenizer: built in a thread from the moment its file is
     # read, before numpy and the table code are imported (Tokenizer.from_str holds the GIL, so those

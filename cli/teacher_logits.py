@@ -8,9 +8,19 @@ from __future__ import annotations
 
 import click
 
-from cli.options import config_option, placement_options
 from cli.outputs import run_stage_command
+from csd_pipeline.runtime.options import config_option, placement_options
 from csd_pipeline.teacher.config import TeacherLogitsConfig
+
+
+def selector_options(command):
+    """A flag for each option of the store's selectors (the `TeacherLogitsConfig` fields marked `selector=True`), in
+    field order, so that a new selector's option needs no line here."""
+    from dataclasses import fields
+
+    for f in reversed([f for f in fields(TeacherLogitsConfig) if f.metadata.get("selector")]):
+        command = config_option(TeacherLogitsConfig, f.name)(command)
+    return command
 
 
 @click.command()
@@ -18,12 +28,7 @@ from csd_pipeline.teacher.config import TeacherLogitsConfig
 @config_option(TeacherLogitsConfig, "teacher")
 @config_option(TeacherLogitsConfig, "output", type=click.Path(file_okay=False))
 @config_option(TeacherLogitsConfig, "teacher_index")
-@config_option(TeacherLogitsConfig, "top_k", "--top-k")
-@config_option(TeacherLogitsConfig, "top_p", "--top-p")
-@config_option(TeacherLogitsConfig, "min_p", "--min-p")
-@config_option(TeacherLogitsConfig, "tail_samples")
-@config_option(TeacherLogitsConfig, "sample_seed")
-@config_option(TeacherLogitsConfig, "keep")
+@selector_options
 @config_option(TeacherLogitsConfig, "batch_tokens")
 @config_option(TeacherLogitsConfig, "device")
 @config_option(TeacherLogitsConfig, "dtype")

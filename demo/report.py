@@ -12,6 +12,13 @@ import json
 from pathlib import Path
 
 FOLDERS = ("aligned", "teacher", "student-csd", "student-ce")
+# (title, [(metric, column)]): the task tables of the report, each with the columns that fit its metrics
+TASK_TABLES = [
+    ("`csd_next_sentence`: the real next sentence among four (higher is better; chance 0.25)",
+     [("acc", "acc"), ("acc_norm", "acc_norm")]),
+    ("`csd_heldout_devil`: the held-out text as bits per byte (lower is better)",
+     [("passage_bits_per_byte", "mean over passages"), ("bits_per_byte", "byte-weighted")]),
+]
 
 
 def write_report(out: Path, summary: dict) -> Path:
@@ -26,25 +33,34 @@ def write_report(out: Path, summary: dict) -> Path:
                f"Total time: {summary['seconds'] / 60:.1f} min.", "",
                "## Held-out bits per byte (lower is better)", "", "| model | bits/byte | vs CE only |", "|---|---|---|"]
     preface += [f"| {name} | {value:.4f} | {(value - ce) / ce:+.1%} |" for name, value in scores.items()] + [""]
-    if summary.get("scores_tasks"):
-        preface += ["## Standard task `csd_next_sentence` (higher is better; chance 0.25)", "",
+    for title, columns in TASK_TABLES if summary.get("scores_tasks") else ():
+        preface += [f"## Standard task {title}", "",
                     "lm-evaluation-harness, zero-shot, every item; ± the harness's standard error. The students' "
                     "scores are `csd-train --eval-tasks` on their final exports, the teacher's `csd-pipeline "
-                    "evaluate` (docs/EVALUATION.md).", "", "| model | task | acc | acc_norm |", "|---|---|---|---|"]
-        preface += [f"| {name} | `{task}` | {acc} | {norm} |" for name, task, acc, norm in task_rows(summary["scores_tasks"])]
+                    "evaluate` (docs/EVALUATION.md).", "", "| model | task | " + " | ".join(c for _, c in columns) + " |",
+                    "|---|---|" + "---|" * len(columns)]
+        preface += [f"| {name} | `{task}` | " + " | ".join(cells) + " |"
+                    for name, task, *cells in task_rows(summary["scores_tasks"], columns)]
         preface += [""]
     report = write([out / name for name in FOLDERS], out, title="csd-pipeline demo report", preface=preface)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     return report
 
 
-def task_rows(tasks: dict) -> list[tuple[str, str, str, str]]:
-    """(model, task, acc, acc_norm), each score `value ± stderr`, from per-model `eval/TASK/METRIC` values
-    (`trainer.task_eval.scores`); the group before its tasks."""
+def task_rows(tasks: dict, columns: list[tuple[str, str]]) -> list[tuple[str, ...]]:
+    """(model, task, one cell per column), a cell `value ± stderr` (the value alone where the harness gives no
+    stderr, `-` where the task lacks the metric), from per-model `eval/TASK/METRIC` values
+    (`trainer.task_eval.scores`); only the tasks with one of the columns' metrics, the group before its tasks."""
     rows = []
     for name, values in tasks.items():
-        for task in sorted({key.split("/")[1] for key in values}, key=lambda t: (len(t), t)):
-            cells = [f"{values[f'eval/{task}/{m}']:.3f} ± {values.get(f'eval/{task}/{m}_stderr', float('nan')):.3f}"
-                     if f"eval/{task}/{m}" in values else "-" for m in ("acc", "acc_norm")]
-            rows.append((name, task, *cells))
+        names = {key.split("/")[1] for key in values if key.split("/")[2] in {m for m, _ in columns}}
+        for task in sorted(names, key=lambda t: (len(t), t)):
+            rows.append((name, task, *(_cell(values, f"eval/{task}/{metric}") for metric, _ in columns)))
     return rows
+
+
+def _cell(values: dict, key: str) -> str:
+    if key not in values:
+        return "-"
+    stderr = values.get(f"{key}_stderr")
+    return f"{values[key]:.3f}" + (f" ± {stderr:.3f}" if stderr is not None else "")

@@ -4,8 +4,9 @@ Teacher: SmolLM2-135M-Instruct (ByteLevel BPE, 49,152 ids). Student: a small Lla
 with the Llama 2 SentencePiece tokenizer (byte fallback, 32,000 ids). Corpus: The Devil's
 Dictionary (public domain, `demo/corpus`), every tenth document held out. Two students are trained
 identically, one with CSD and one with cross-entropy only, and scored in held-out bits per byte
-next to the teacher, and on the project's lm-evaluation-harness task `csd_next_sentence` (the
-students by `csd-train --eval-tasks` on their exports, the teacher by `csd-pipeline evaluate`).
+next to the teacher, and on the project's lm-evaluation-harness tasks `csd_next_sentence` and
+`csd_heldout_devil` (the students by `csd-train --eval-tasks` on their exports, the teacher by
+`csd-pipeline evaluate`).
 Every command is printed before it runs so it can be copied.
 
     python demo/run.py [--out out/demo] [--steps N] [--fresh]
@@ -23,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from csd_pipeline.recipes import as_flags, load_store, recipe_flags, recipe_path
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 TEACHER = "smollm2-135m-instruct"
@@ -30,20 +33,27 @@ TEACHER_TOKENIZER = "smollm2"
 STUDENT_TOKENIZER = "llama-spm"
 WINDOW = 256
 
-# The CSD arm's setting, chosen from `make bench-quality` (see docs/RESULTS.md, "What CSD buys").
-CSD_ARGS = ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"]
-TOP_K = 128
-# Of the top-128, the entries at least 0.02 times as likely as each position's first, plus 48 draws from the
-# rest at estimated probabilities, and of those only the ones the CSD loss turns into events: 89 B per
-# position instead of 244 B, and a better student than the whole top-128 in both regimes of the benchmark
+# The recipes (recipes/demo/, recipes/stores/; docs/ARCHITECTURE.md "Recipes"): the training recipe of both students
+# (the benchmark's: batches of 2 windows, more steps for the same tokens helped every arm but CE on limited data),
+# the CSD arm's loss, chosen from `make bench-quality` (docs/RESULTS.md, "What CSD buys"), the CE twin's, and the
+# store: of the teacher's top-128, the entries at least 0.02 times as likely as each position's first, plus 48
+# draws from the rest at estimated probabilities, and of those only the ones the CSD loss turns into events: 89 B
+# per position instead of 244 B, and a better student than the whole top-128 in both regimes of the benchmark
 # (docs/SCALE.md); the demo trains no baseline, which could read neither the draws nor the event selection.
-STORE_ARGS = ["--min-p", "0.02", "--tail-samples", "48", "--keep", "csd-events"]
-# The benchmark's recipe: batches of 2 windows (more steps for the same tokens helped every arm but CE on
-# limited data, which over-fits whatever the batch).
-TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "80",
-              "--seed", "0", "--save-every", "0", "--workers", "1"]
+RECIPES = {"train": "demo/train", "csd": "demo/csd", "ce": "demo/ce", "store": "stores/events-min0.02-s48"}
+_STORE = load_store(RECIPES["store"])
+TOP_K = _STORE["top_k"]
+STORE_ARGS = as_flags({key: value for key, value in _STORE.items() if key != "top_k"})
+CSD_ARGS, TRAIN_ARGS = recipe_flags(RECIPES["csd"]), recipe_flags(RECIPES["train"])  # as flags (bench/ reads them)
+
+
+def recipe_args(arm: str) -> list[str]:
+    """`--config` of the training recipe and of the arm's (csd or ce): what the demo's csd-train reads."""
+    return ["--config", recipe_path(RECIPES["train"]), "--config", recipe_path(RECIPES[arm])]
+
+
 # lm-evaluation-harness: the project's offline task (docs/EVALUATION.md); chance is 0.25
-TASKS = "csd_next_sentence"
+TASKS = "csd_next_sentence,csd_heldout_devil"   # and the held-out text in bits per byte
 
 
 def sh(cmd: list[str], *, capture: bool = False) -> str:
@@ -101,12 +111,11 @@ def main(argv: list[str]) -> int:
 
     print("\n== 4. train: a CSD student and a CE-only twin, identical but for the loss")
     config = "demo/student-config.json"
-    arms = {"csd": CSD_ARGS, "ce": ["--loss", "ce"]}
-    for arm, loss_args in arms.items():
-        sh([train_cmds, "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
+    for arm in ("csd", "ce"):
+        sh([train_cmds, *recipe_args(arm), "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
             "--student-tokenizer", STUDENT_TOKENIZER, "--output", out / f"student-{arm}",
             "--steps", str(args.steps), "--eval-aligned", heldout, "--eval-every", str(max(args.steps // 5, 1)),
-            "--eval-tasks", TASKS, *TRAIN_ARGS, *loss_args])   # the tasks at the end only: each run costs minutes
+            "--eval-tasks", TASKS])   # the tasks at the end only: each run costs minutes
 
     print("\n== 5. held-out bits per byte (same bytes for every model)")
     scores = {}
@@ -146,12 +155,12 @@ def print_summary(summary: dict, report: Path) -> None:
     for name, value in scores.items():
         delta = f"  ({(value - ce) / ce:+.1%} vs CE only)" if name == "student, CSD" else ""
         print(f"  {name:<34} {value:.4f}{delta}")
-    print(f"\n== {TASKS}: the real next sentence among four (chance 0.25; higher is better; ± the harness's "
-          "standard error)")
-    from demo.report import task_rows
+    from demo.report import TASK_TABLES, task_rows
 
-    for name, task, acc, acc_norm in task_rows(summary["scores_tasks"]):
-        print(f"  {name:<34} {task:<24} acc {acc}   acc_norm {acc_norm}")
+    for title, columns in TASK_TABLES:
+        print(f"\n== {title}; ± the harness's standard error")
+        for name, task, *cells in task_rows(summary["scores_tasks"], columns):
+            print(f"  {name:<34} {task:<24} " + "   ".join(f"{label} {cell}" for (_, label), cell in zip(columns, cells)))
     shapes = chunk_shapes(summary["align"])
     total = sum(shapes.values()) or 1
     print("\n== accepted chunks by shape")

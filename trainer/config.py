@@ -5,7 +5,8 @@ evaluation) plus the run-wide seed, device and progress bar. Every option keeps 
 unique across the components (`seq_len` in YAML, `--seq-len` as a flag; `trainer/options.py` reads
 them from a YAML file and the command line), and the resolved `OUTPUT/config.yaml` is one flat
 mapping of those names. An option's default, help text, choices and whether it changes the
-trajectory of a run are written once, on its dataclass field. Errors name the option to change.
+trajectory of a run are written once, on its dataclass field, with the `option()` of every stage
+config (`csd_pipeline/runtime/options.py`). Errors name the option to change.
 """
 
 from __future__ import annotations
@@ -22,18 +23,9 @@ from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES,
 from csd_pipeline.loss.token_logprobs import DEFAULT_KEEP_DTYPE, KEEP_DTYPES
 from csd_pipeline.loss.training import LOSSES
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
+from csd_pipeline.runtime.options import check_choices, field_default, flag, option
 
 KD_SCALES = ("dynamic", "fixed", "ratio")
-
-
-def _opt(default, help_text, *, trajectory=False, **extra):
-    """A dataclass field that is an option. `trajectory`: a resumed run must keep its value."""
-    return field(default=default, metadata={"help": help_text, "trajectory": trajectory, **extra})
-
-
-def flag(name: str) -> str:
-    """The command-line spelling of an option (`seq_len` -> `seq-len`)."""
-    return name.replace("_", "-")
 
 
 def _at_least(component, minimum: int, names: tuple[str, ...]) -> None:
@@ -44,30 +36,21 @@ def _at_least(component, minimum: int, names: tuple[str, ...]) -> None:
             raise CsdError(f"--{flag(name)} must be {bound}, got {value}")
 
 
-def _check_choices(component) -> None:
-    for f in dataclasses.fields(component):
-        choices = f.metadata.get("choices")
-        if choices and getattr(component, f.name) not in choices:
-            raise CsdError(f"--{flag(f.name)} must be one of {', '.join(choices)}, got {getattr(component, f.name)!r}")
-
-
 @dataclass
 class DataConfig:
     """The cached inputs of a run and how their rows are shuffled and batched."""
 
-    aligned: str | None = _opt(None, "aligned shards directory (output of `csd-pipeline align`)", trajectory=True)
-    teacher_logits: list[str] = field(
-        default_factory=list,
-        metadata={"help": "teacher top-k directory, one per teacher (repeat the flag)", "trajectory": True},
-    )
-    seq_len: int = _opt(2048, "tokens per packed row", trajectory=True)
-    batch_size: int = _opt(8, "packed rows per rank per micro-step", trajectory=True)
-    shuffle_block: int = _opt(4, "shards shuffled together (rows are permuted within a block)", trajectory=True)
-    data_lanes: int = _opt(2, "lanes per rank: each reads its own span of the epoch's shards, and the rank takes "
+    aligned: str | None = option(None, "aligned shards directory (output of `csd-pipeline align`)", trajectory=True)
+    teacher_logits: list[str] = option([], "teacher top-k directory, one per teacher (repeat the flag)",
+                                       trajectory=True)
+    seq_len: int = option(2048, "tokens per packed row", trajectory=True)
+    batch_size: int = option(8, "packed rows per rank per micro-step", trajectory=True)
+    shuffle_block: int = option(4, "shards shuffled together (rows are permuted within a block)", trajectory=True)
+    data_lanes: int = option(2, "lanes per rank: each reads its own span of the epoch's shards, and the rank takes "
                               "micro-batches from them in turn; data-loader workers split the lanes (use a --workers "
                               "that divides it)", trajectory=True)
-    workers: int = _opt(2, "data-loader worker processes (0: in the training process)")
-    teacher_cache_mb: int = _opt(1024, "decoded teacher top-k kept per data-loader worker, in MiB; rows are "
+    workers: int = option(2, "data-loader worker processes (0: in the training process)")
+    teacher_cache_mb: int = option(1024, "decoded teacher top-k kept per data-loader worker, in MiB; rows are "
                                        "read in shuffled order, so a block that does not stay is decoded again")
 
     def validate(self) -> None:
@@ -83,12 +66,12 @@ class DataConfig:
 class StudentConfig:
     """The model being trained: fine-tuned from `student` or started from `student_config`."""
 
-    student: str | None = _opt(None, "student model: a local HF directory or a hub name", trajectory=True)
-    student_config: str | None = _opt(None, "HF config JSON: start the student from scratch", trajectory=True)
-    student_tokenizer: str | None = _opt(None, "student tokenizer (required with --student-config)", trajectory=True)
-    trust_remote_code: bool = _opt(False, "allow model code from the model directory or hub")
-    attn_implementation: str = _opt("sdpa", "attention kernel: sdpa, eager, flash_attention_2, ...")
-    dtype: str = _opt("auto", "parameter dtype in forward/backward: auto (bf16 on GPU), float32, bfloat16",
+    student: str | None = option(None, "student model: a local HF directory or a hub name", trajectory=True)
+    student_config: str | None = option(None, "HF config JSON: start the student from scratch", trajectory=True)
+    student_tokenizer: str | None = option(None, "student tokenizer (required with --student-config)", trajectory=True)
+    trust_remote_code: bool = option(False, "allow model code from the model directory or hub")
+    attn_implementation: str = option("sdpa", "attention kernel: sdpa, eager, flash_attention_2, ...")
+    dtype: str = option("auto", "parameter dtype in forward/backward: auto (bf16 on GPU), float32, bfloat16",
                       trajectory=True, choices=TRAINING_DTYPES)
 
     def validate(self) -> None:
@@ -101,23 +84,23 @@ class StudentConfig:
         if self.student_config and not self.student_tokenizer:
             raise CsdError("--student-config needs --student-tokenizer: a model started from scratch "
                            "has no tokenizer of its own")
-        _check_choices(self)
+        check_choices(self)
 
 
 @dataclass
 class OptimizerConfig:
     """AdamW and its schedule: linear warm-up, then cosine decay over `steps` optimizer steps."""
 
-    steps: int = _opt(1000, "optimizer steps")
-    grad_accum: int = _opt(1, "micro-steps per optimizer step", trajectory=True)
-    lr: float = _opt(3e-4, "peak learning rate", trajectory=True)
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of --lr (cosine floor)", trajectory=True)
-    warmup_steps: int = _opt(100, "linear warm-up steps", trajectory=True)
-    weight_decay: float = _opt(0.1, "AdamW weight decay", trajectory=True)
-    adam_beta1: float = _opt(0.9, "AdamW beta1", trajectory=True)
-    adam_beta2: float = _opt(0.95, "AdamW beta2", trajectory=True)
-    adam_eps: float = _opt(1e-8, "AdamW epsilon", trajectory=True)
-    grad_clip: float = _opt(1.0, "gradient-norm clip (0: off)", trajectory=True)
+    steps: int = option(1000, "optimizer steps")
+    grad_accum: int = option(1, "micro-steps per optimizer step", trajectory=True)
+    lr: float = option(3e-4, "peak learning rate", trajectory=True)
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of --lr (cosine floor)", trajectory=True)
+    warmup_steps: int = option(100, "linear warm-up steps", trajectory=True)
+    weight_decay: float = option(0.1, "AdamW weight decay", trajectory=True)
+    adam_beta1: float = option(0.9, "AdamW beta1", trajectory=True)
+    adam_beta2: float = option(0.95, "AdamW beta2", trajectory=True)
+    adam_eps: float = option(1e-8, "AdamW epsilon", trajectory=True)
+    grad_clip: float = option(1.0, "gradient-norm clip (0: off)", trajectory=True)
 
     def validate(self) -> None:
         _at_least(self, 1, ("steps", "grad_accum"))
@@ -136,41 +119,41 @@ class OptimizerConfig:
 class LossConfig:
     """CE alone or CE + CSD: the divergence, the chunk weights, the KD scale and the teachers' weights."""
 
-    loss: str = _opt("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
+    loss: str = option("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
                             "or kd (same-tokenizer KD; docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
-    divergence: str = _opt(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
-    beta: float = _opt(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
-    kd_scale: str = _opt("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
+    divergence: str = option(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
+    beta: float = option(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
+    kd_scale: str = option("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
                                     "ratio: L = (1-w)*CE + w*KD", trajectory=True, choices=KD_SCALES)
-    kd_weight: float = _opt(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)",
+    kd_weight: float = option(1.0, "w, the multiplier of the KD term (1 with dynamic is the paper's default)",
                             trajectory=True)
-    kd_teachers: str | None = _opt(None, "teachers and weights, e.g. `0:1.0,1:0.5` (default: all, weight 1)",
+    kd_teachers: str | None = option(None, "teachers and weights, e.g. `0:1.0,1:0.5` (default: all, weight 1)",
                                    trajectory=True)
-    kd_combine: str = _opt("sum", "several teachers: sum (KD = sum of weight x each teacher's mean over its chunks) "
+    kd_combine: str = option("sum", "several teachers: sum (KD = sum of weight x each teacher's mean over its chunks) "
                                   "or select (per group of chunks the teacher that covers it and gives its text the "
                                   "highest log-probability; one mean over the kept chunks; docs/TRAINING.md)",
                            trajectory=True, choices=KD_COMBINES)
-    teacher_temperature: float = _opt(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
+    teacher_temperature: float = option(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
                                            "P^(1/T), renormalised (1: the paper's)", trajectory=True)
-    spelling: str = _opt(DEFAULT_SPELLING, "tokens with equal bytes: sum their probabilities or exclude them; prefix: sum, and in 1:1 "
+    spelling: str = option(DEFAULT_SPELLING, "tokens with equal bytes: sum their probabilities or exclude them; prefix: sum, and in 1:1 "
                          "chunks count each token toward the longest common spelling that begins it",
                          trajectory=True, choices=SPELLING_MODES)
-    teacher_top_k: int = _opt(0, "use only the N most likely of the stored teacher top-k entries per position "
+    teacher_top_k: int = option(0, "use only the N most likely of the stored teacher top-k entries per position "
                                  "(0: all); compares top-k sizes without re-running the teacher", trajectory=True)
-    gold_matched_weight: float | None = _opt(None, "--loss gold: weight of the direct term on shared spellings "
+    gold_matched_weight: float | None = option(None, "--loss gold: weight of the direct term on shared spellings "
                                                    "(the sorted term gets 1 - w); default: TRL's adaptive weight",
                                              trajectory=True)
-    strict_top_k: int = _opt(0, "--loss strict: keep the student's N most likely shared spellings (0: all)",
+    strict_top_k: int = option(0, "--loss strict: keep the student's N most likely shared spellings (0: all)",
                              trajectory=True)
-    strict_divergence: str = _opt("reverse_kl", "--loss strict: jsd, kl or reverse_kl (CT-OPD's)", trajectory=True,
+    strict_divergence: str = option("reverse_kl", "--loss strict: jsd, kl or reverse_kl (CT-OPD's)", trajectory=True,
                                   choices=DIVERGENCES)
-    teacher_control: str = _opt("none", "shuffled: give each stored teacher row to another position of the batch "
+    teacher_control: str = option("none", "shuffled: give each stored teacher row to another position of the batch "
                                         "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
-    loss_chunk_size: int = _opt(0, "positions per row chunk of the student log-softmax (0: auto, 2,048; the "
+    loss_chunk_size: int = option(0, "positions per row chunk of the student log-softmax (0: auto, 2,048; the "
                                    "vocabulary goes in blocks of about 2^24 logits)")
-    loss_keep_mb: int = _opt(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
+    loss_keep_mb: int = option(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
                                 "recomputing them (0: none, the least memory; more is faster)")
-    loss_keep_dtype: str = _opt(DEFAULT_KEEP_DTYPE, "how the kept logits are stored: float32 (exact), float16 "
+    loss_keep_dtype: str = option(DEFAULT_KEEP_DTYPE, "how the kept logits are stored: float32 (exact), float16 "
                                                     "or bfloat16 (twice the rows per MiB, rounded: "
                                                     "docs/TRAINING.md)", choices=KEEP_DTYPES)
 
@@ -181,7 +164,7 @@ class LossConfig:
         return build_loss(self.loss, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def validate(self) -> None:
-        _check_choices(self)
+        check_choices(self)
         _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "loss_keep_mb", "strict_top_k"))
         if self.kd_scale == "ratio" and self.kd_weight > 1:
             raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.loss} "
@@ -221,12 +204,12 @@ class LossConfig:
 class CheckpointConfig:
     """The output directory, its checkpoints and HF exports, and where a run stops or resumes."""
 
-    output: str | None = _opt(None, "output directory (checkpoints, metrics, export)")
-    save_every: int = _opt(500, "checkpoint every N steps (0: only at the end)")
-    keep_last: int = _opt(2, "keep the latest N checkpoints")
-    resume: bool = _opt(False, "continue from the latest complete checkpoint in --output")
-    export_every: int = _opt(0, "also write the HF export every N steps (0: only at the end)")
-    stop_at_step: int = _opt(0, "stop cleanly after this step, as if interrupted (0: run --steps)")
+    output: str | None = option(None, "output directory (checkpoints, metrics, export)")
+    save_every: int = option(500, "checkpoint every N steps (0: only at the end)")
+    keep_last: int = option(2, "keep the latest N checkpoints")
+    resume: bool = option(False, "continue from the latest complete checkpoint in --output")
+    export_every: int = option(0, "also write the HF export every N steps (0: only at the end)")
+    stop_at_step: int = option(0, "stop cleanly after this step, as if interrupted (0: run --steps)")
 
     def validate(self) -> None:
         if not self.output:
@@ -239,22 +222,18 @@ class CheckpointConfig:
 class EvaluationConfig:
     """Held-out bits per byte, and lm-evaluation-harness tasks on the export, during and at the end of the run."""
 
-    eval_aligned: str | None = _opt(None, "held-out aligned directory: report bits per byte")
-    eval_every: int = _opt(0, "evaluate every N steps (0: only at the end)")
-    eval_max_rows: int = _opt(0, "evaluate on at most N held-out rows (0: all)")
-    eval_teacher_bits_per_byte: float | None = _opt(
+    eval_aligned: str | None = option(None, "held-out aligned directory: report bits per byte")
+    eval_every: int = option(0, "evaluate every N steps (0: only at the end)")
+    eval_max_rows: int = option(0, "evaluate on at most N held-out rows (0: all)")
+    eval_teacher_bits_per_byte: float | None = option(
         None, "the teacher's bits per byte on --eval-aligned (`csd-pipeline bits-per-byte --side teacher0`): each "
               "evaluation records it and warns once the student scores below it (KD then pulls the student back)")
-    eval_tasks: list[str] = field(
-        default_factory=list,
-        metadata={"help": "lm-evaluation-harness tasks run on the export every --eval-tasks-every steps and at the end "
-                          "(`csd-pipeline evaluate --list-tasks`; e.g. csd_next_sentence; needs the [eval] extra)",
-                  "trajectory": False},
-    )
-    eval_tasks_every: int = _opt(0, "run --eval-tasks every N steps (0: only at the end)")
-    eval_tasks_limit: int = _opt(0, "score at most N documents per task (0: all)")
-    eval_tasks_include_path: list[str] = field(
-        default_factory=list, metadata={"help": "folders of your own task YAML files for --eval-tasks", "trajectory": False})
+    eval_tasks: list[str] = option([], "lm-evaluation-harness tasks run on the export every --eval-tasks-every steps "
+                                       "and at the end (`csd-pipeline evaluate --list-tasks`; e.g. csd_next_sentence; "
+                                       "needs the [eval] extra)")
+    eval_tasks_every: int = option(0, "run --eval-tasks every N steps (0: only at the end)")
+    eval_tasks_limit: int = option(0, "score at most N documents per task (0: all)")
+    eval_tasks_include_path: list[str] = option([], "folders of your own task YAML files for --eval-tasks")
 
     def validate(self) -> None:
         _at_least(self, 0, ("eval_every", "eval_max_rows", "eval_tasks_every", "eval_tasks_limit"))
@@ -284,15 +263,13 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-    seed: int = _opt(0, "seed of the initialisation and the data order", trajectory=True)
-    device: str = _opt("auto", "auto, cpu or cuda", choices=DEVICES)
-    progress: bool = _opt(True, "progress bar on stderr (rank 0)")
-    report_to: list[str] = field(
-        default_factory=lambda: ["jsonl"],
-        metadata={"help": "where metrics go, comma-separated: jsonl (metrics.jsonl, always written), tensorboard "
-                          "(OUTPUT/tensorboard/), wandb (W&B; WANDB_MODE=offline for a local run); the trackers are "
-                          "extras: pip install 'csd-pipeline[tensorboard]' / '[wandb]'", "trajectory": False},
-    )
+    seed: int = option(0, "seed of the initialisation and the data order", trajectory=True)
+    device: str = option("auto", "auto, cpu or cuda", choices=DEVICES)
+    progress: bool = option(True, "progress bar on stderr (rank 0)")
+    report_to: list[str] = option(["jsonl"], "where metrics go, comma-separated: jsonl (metrics.jsonl, always "
+                                              "written), tensorboard (OUTPUT/tensorboard/), wandb (W&B; "
+                                              "WANDB_MODE=offline for a local run); the trackers are extras: pip "
+                                              "install 'csd-pipeline[tensorboard]' / '[wandb]'")
 
     @classmethod
     def from_options(cls, values: dict) -> TrainConfig:
@@ -307,7 +284,7 @@ class TrainConfig:
         """Check every option; raise `CsdError` naming the first one to change. Returns self."""
         for name in COMPONENTS:
             getattr(self, name).validate()
-        _check_choices(self)
+        check_choices(self)
         from trainer.trackers import check_installed
 
         check_installed(self.report_to)
@@ -330,8 +307,8 @@ class TrainConfig:
     def to_dict(self) -> dict:
         """The options as one flat mapping of plain YAML/JSON-safe values (the keys of `OPTIONS`)."""
         out = {}
-        for name, option in OPTIONS.items():
-            owner = self if option.component is None else getattr(self, option.component)
+        for name, each in OPTIONS.items():
+            owner = self if each.component is None else getattr(self, each.component)
             value = getattr(owner, name)
             out[name] = list(value) if isinstance(value, list) else value
         return out
@@ -348,9 +325,7 @@ class Option:
 
     @property
     def default(self):
-        if self.field.default is not dataclasses.MISSING:
-            return self.field.default
-        return self.field.default_factory()
+        return field_default(self.field)
 
 
 def _options() -> tuple[dict[str, type], dict[str, Option]]:
@@ -374,7 +349,7 @@ def _options() -> tuple[dict[str, type], dict[str, Option]]:
 
 COMPONENTS, OPTIONS = _options()
 # Options that change the trajectory of a run: a resumed run must use the values it was started with.
-TRAJECTORY_KEYS = tuple(name for name, option in OPTIONS.items() if option.field.metadata.get("trajectory"))
+TRAJECTORY_KEYS = tuple(name for name, each in OPTIONS.items() if each.field.metadata.get("trajectory"))
 
 
 def write_resolved(config: TrainConfig, path: str) -> None:

@@ -267,7 +267,21 @@ class _Stream(torch.utils.data.IterableDataset):
         self.spec, self.worker, self.workers = spec, worker, workers
 
     def __iter__(self):
-        return stream_batches(self.spec, self.worker, self.workers)
+        return stream_batches(_own_file_systems(self.spec), self.worker, self.workers)
+
+
+def _own_file_systems(spec: LoaderSpec) -> LoaderSpec:
+    """`spec` for a forked worker: its outputs copied when one is on an object store. The fsspec file system a
+    worker inherits cannot serve it (s3fs's event loop and connections are the parent's: "This class is not
+    fork-safe"); a copy's paths open their own file system in the worker."""
+    import copy
+    from dataclasses import replace
+
+    from csd_pipeline.runtime.storage import is_remote_object
+
+    if not any(is_remote_object(out.directory) for out in [spec.aligned, *spec.teachers]):
+        return spec
+    return replace(spec, aligned=copy.deepcopy(spec.aligned), teachers=copy.deepcopy(spec.teachers))
 
 
 def _identity(batch):

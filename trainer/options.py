@@ -4,6 +4,10 @@ Sources apply in order: the defaults (on the `trainer.config` dataclass fields),
 YAML file, then the command line from left to right (a later value wins; a repeated list flag such
 as `--teacher-logits` appends). Every option has one flat name: `seq_len` in YAML and `key=value`
 (where `seq-len` is accepted too), `--seq-len` as a flag. Errors name the option to change.
+
+This is a layer on top of the one option system (`csd_pipeline/runtime/options.py`): the fields, their
+types, the flag spelling and the coercion of a value are the stage commands'; only the sources
+(YAML, `key=value`, their order) and the help layout are csd-train's.
 """
 
 from __future__ import annotations
@@ -12,55 +16,14 @@ import os
 import typing
 
 from csd_pipeline.errors import CsdError
-from trainer.config import OPTIONS, TrainConfig, flag
-
-
-def _optional_base(hint) -> tuple[object, bool]:
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    return (next(a for a in args if a is not type(None)) if optional else hint), optional
-
-
-def _coerce_to(base, value):
-    """`value` as `base` (list[str], bool, int, float or str); raises TypeError/ValueError."""
-    if typing.get_origin(base) is list:
-        if isinstance(value, str):
-            return [v for v in value.split(",") if v]
-        if isinstance(value, (list, tuple)):
-            return [str(v) for v in value]
-        raise TypeError
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError
-    if base is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError
-        return int(value)
-    if base is float:
-        if isinstance(value, bool):
-            raise ValueError
-        return float(value)
-    if isinstance(value, (dict, list)):
-        raise ValueError
-    return str(value)
+from csd_pipeline.runtime import options
+from csd_pipeline.runtime.options import FALSE_WORDS, TRUE_WORDS, flag
+from trainer.config import OPTIONS, TrainConfig
 
 
 def coerce(name: str, value, origin: str):
-    """Turn a YAML or command-line value into the option's type; raise `CsdError` naming the option."""
-    base, optional = _optional_base(OPTIONS[name].hint)
-    if optional and (value is None or (isinstance(value, str) and value.lower() in ("none", "null", ""))):
-        return None
-    try:
-        return _coerce_to(base, value)
-    except (TypeError, ValueError):
-        kind = getattr(base, "__name__", str(base))
-        raise CsdError(f"option {name} ({origin}) expects {kind}, got {value!r}; fix the value") from None
+    """A YAML or command-line value of option `name` as its field's type (`runtime.options.coerce`)."""
+    return options.coerce(name, OPTIONS[name].hint, value, origin)
 
 
 def known(name: str, origin: str) -> str:
@@ -124,7 +87,7 @@ def _apply_command_line(tokens: list[str], values: dict) -> None:
             name = known(raw[3:] if negated else raw, "the command line")
             hint = OPTIONS[name].hint
             if hint is bool and not has_value and not negated and i + 1 < len(tokens) and tokens[i + 1].lower() in (
-                    "true", "false", "yes", "no", "on", "off", "1", "0"):  # `--progress false`
+                    *TRUE_WORDS, *FALSE_WORDS):  # `--progress false`
                 values[name] = coerce(name, tokens[i + 1], f"--{flag(name)}")
                 i += 1
             elif hint is bool and not has_value:

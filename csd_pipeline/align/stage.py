@@ -3,8 +3,8 @@
 `AlignStage(config)` loads the tokenizers and checks the inputs, then declares what the shared
 executor (`csd_pipeline.runtime.executor.run_stage`) needs:
 
-- identity: the config, the corpus files' fingerprints and the tokenizers (with their vocabulary
-  sizes, which teacher-logits reads);
+- identity: the options in `RECORDED`, the corpus files' fingerprints and the tokenizers (with their
+  vocabulary sizes, which teacher-logits reads);
 - plan: the corpus cut into shards of about `config.shard_bytes` (`corpus.plan_shards`), shard i
   named for rank i % world size;
 - prepare: each teacher's two sub-token tables, built or copied into `DIR/tables/teacher{i}/`;
@@ -21,11 +21,14 @@ from pathlib import Path
 from csd_pipeline.align.config import AlignConfig
 from csd_pipeline.align.shard_writer import AlignShardWriter, AlignTokenizers
 from csd_pipeline.errors import CsdError
-from csd_pipeline.runtime.executor import ShardTask, Stage, run_configured, shard_name
+from csd_pipeline.runtime.executor import ShardTask, Stage, numbered_tasks, run_configured
 from csd_pipeline.runtime.storage import location
 from schemas.aligned import SCHEMA_VERSION, STAGE
 
 TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")
+# The options that decide the aligned bytes, as the identity's "config" records them (and "chat" in chat mode).
+RECORDED = ("mode", "max_student_tokens", "max_teacher_tokens", "context_token", "text_field", "split_on_blank_lines",
+            "shard_bytes", "world_size")
 
 
 def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int | None = None, workers: int = 1,
@@ -63,22 +66,16 @@ class AlignStage(Stage):
 
             self.chat = prepare_chat(config, self.tokenizers.student, self.tokenizers.teachers, self.files)
 
-    def identity(self, world_size: int) -> dict:
+    @property
+    def recorded(self) -> tuple[str, ...]:
+        return RECORDED + (("chat",) if self.chat is not None else ())
+
+    def derived(self, world_size: int) -> dict:
+        return {"max_teacher_tokens": self.config.teacher_limits(), "world_size": world_size, "chat": self.chat}
+
+    def sources(self) -> dict:
         config = self.config
-        settings = {
-            "mode": config.mode,
-            "max_student_tokens": config.max_student_tokens,
-            "max_teacher_tokens": config.teacher_limits(),
-            "context_token": config.context_token,
-            "text_field": config.text_field,
-            "split_on_blank_lines": config.split_on_blank_lines,
-            "shard_bytes": config.shard_bytes,
-            "world_size": world_size,
-        }
-        if self.chat is not None:
-            settings["chat"] = self.chat
         return {
-            "config": settings,
             "inputs": [f.fingerprint() for f in self.files],
             "tokenizers": {
                 "student": _tokenizer_record(self.tokenizers.student, config.student_tokenizer),
@@ -87,19 +84,13 @@ class AlignStage(Stage):
         }
 
     def plan(self, world_size: int, log) -> list[ShardTask]:
-        from csd_pipeline.align.corpus import ReadOptions, plan_shards
+        from csd_pipeline.align.corpus import ReadOptions, plan_shards, segment_spec
 
         log(f"planning shards over {len(self.files)} corpus file(s)...")
         options = ReadOptions(self.config.text_field, self.config.split_on_blank_lines, whole_record=self.chat is not None)
-        tasks = []
-        for index, segments in enumerate(plan_shards(self.files, options, self.config.shard_bytes)):
-            specs = []
-            for segment in segments:
-                file = self.files[segment["file"]]
-                spec = {key: value for key, value in segment.items() if key != "file"}
-                specs.append({**spec, **file.spec()})
-            tasks.append(ShardTask(index, shard_name(index % world_size, index), {"segments": specs}))
-        return tasks
+        shards = plan_shards(self.files, options, self.config.shard_bytes)
+        return numbered_tasks([{"segments": [segment_spec(self.files, s) for s in segments]} for segments in shards],
+                              world_size)
 
     def manifest_extra(self) -> dict:
         """Where each teacher's tables live inside DIR, with the fingerprints they were made for."""

@@ -9,10 +9,11 @@ extra `csd-pipeline[eval]`; it is imported only here, inside functions.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from csd_pipeline.errors import CsdError
+from csd_pipeline.runtime.options import option
 
 PROJECT_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 INSTALL_HINT = "pip install 'csd-pipeline[eval]'"
@@ -20,21 +21,16 @@ INSTALL_HINT = "pip install 'csd-pipeline[eval]'"
 
 @dataclass
 class EvaluateConfig:
-    """What `csd-pipeline evaluate` runs.
+    """What `csd-pipeline evaluate` runs (each field's help is its flag's; `cli/harness.py`)."""
 
-    model: an HF folder (an export), a fixture or a hub name (GGUF files are refused). tasks: task, group or tag
-    names (or task YAML paths). include_paths: folders of the user's own task YAMLs. limit: at most
-    N documents per task (None: all). device: auto|cpu|cuda; float32 on CPU, bfloat16 on a GPU.
-    """
-
-    model: str
-    tasks: list[str]
-    include_paths: list[str] = field(default_factory=list)
-    limit: int | None = None
-    batch_size: int = 8
-    device: str = "auto"
-    num_fewshot: int | None = None
-    seed: int = 0
+    model: str = option(help="HF folder (a csd-train export), fixture or hub name (GGUF files are refused).")
+    tasks: list[str] = option(help="Task, group or tag names separated by commas (e.g. csd_next_sentence).")
+    include_paths: list[str] = option([], "A folder of your own task YAML files (repeatable).")
+    limit: int | None = option(None, "At most N documents per task (default: all).")
+    batch_size: int = option(8, "Requests per forward pass.")
+    device: str = option("auto", "auto, cpu or cuda (float32 on CPU, bf16 on GPU).")
+    num_fewshot: int | None = option(None, "Few-shot examples (default: each task's own).")
+    seed: int = option(0, "The harness's random, numpy, torch and few-shot seeds.")
 
     def __post_init__(self):
         if not self.tasks or any(not t.strip() for t in self.tasks):

@@ -6,6 +6,10 @@ Round r (1-based) writes `DIR/round-r/`: `generated/` (`csd-pipeline generate`),
 `train/export/` is the next round's student). Every step resumes from what is on disk (the stages
 from their markers, the trainer from its checkpoints) and a finished step is skipped, so re-running
 the same command continues an interrupted run. Round r samples with seed `seed + r - 1`.
+
+`--output` may be an object-store URL (`s3://...`): every stage writes there as it does alone, and the
+next round's student, a model the stages load from a local folder, is a checked local copy of the
+export (`storage.model_copy`, under `--cache-dir` when given).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class RoundsConfig:
     teacher: str = option(help="The teacher model (HF folder, GGUF file or fixture name).")
     teacher_tokenizer: str = option(help="The teacher's tokenizer (fixture name, folder or tokenizer.json).")
     prompts: list[str] = option(help="Prompt corpus (as `csd-pipeline generate --corpus`); repeatable.")
-    output: str = option(help="Output directory: round-1/, round-2/, ... (resumable).")
+    output: str = option(help="Output directory or object-store URL: round-1/, round-2/, ... (resumable).")
     rounds: int = option(2, "Number of rounds.")
     steps: int = option(50, "csd-train steps per round.")
     prompt_field: str = option("prompt", "The record field that holds the prompt.")
@@ -48,17 +52,20 @@ class RoundsConfig:
             raise CsdError("--rounds and --steps must be at least 1.")
 
 
-def run_rounds(config: RoundsConfig, log=print) -> Path:
-    """Run (or resume) every round; returns the last round's export folder."""
+def run_rounds(config: RoundsConfig, log=print):
+    """Run (or resume) every round; returns the last round's export folder (a `UPath` for a URL --output)."""
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.stage import run_align
     from csd_pipeline.generate.config import GenerateConfig
     from csd_pipeline.generate.stage import run_generate
+    from csd_pipeline.runtime import storage
     from csd_pipeline.teacher.config import TeacherLogitsConfig
     from csd_pipeline.teacher.stage import run_teacher_logits
 
     config.validate()
-    out = Path(config.output)
+    out = storage.location(config.output)
+    if storage.is_remote(out):  # a missing bucket or refused credentials fail before round 1
+        storage.check_writable(out)
     student = config.student
     tables: list[tuple[str, str]] = []
     for r in range(1, config.rounds + 1):
@@ -82,8 +89,8 @@ def run_rounds(config: RoundsConfig, log=print) -> Path:
             device=config.device), log=log)
         if not (export / "config.json").is_file():
             train(config, student, folder, seed, log)
-        student = str(export)
-    return Path(student)
+        student = str(storage.model_copy(export) if storage.is_remote(export) else export)
+    return export
 
 
 def train_command(config: RoundsConfig, student: str, folder: Path, seed: int) -> list[str]:

@@ -31,8 +31,8 @@ from csd_pipeline.runtime.executor import (
     ShardTask,
     Stage,
     check_output_dir,
+    numbered_tasks,
     run_configured,
-    shard_name,
 )
 from csd_pipeline.runtime.storage import location
 
@@ -55,6 +55,8 @@ class GenerateStage(Stage):
     name = STAGE
     schema_version = SCHEMA_VERSION
     suffix = ".jsonl"
+    recorded = ("mode", "prompt_field", "prompt_chars", "max_new_tokens", "temperature", "top_p", "samples_per_prompt",
+                "seed", "batch_size", "prompts_per_shard", "backend", "dtype", "device_type")
 
     def __init__(self, config: GenerateConfig, log=None):
         from csd_pipeline.align.corpus import discover
@@ -69,16 +71,14 @@ class GenerateStage(Stage):
         self.fingerprint = model_fingerprint(path, gguf)
         self.device_type = resolve_device(config.device).type
 
-    def identity(self, world_size: int) -> dict:
-        config = self.config
-        settings = {name: getattr(config, name) for name in (
-            "mode", "prompt_field", "prompt_chars", "max_new_tokens", "temperature", "top_p", "samples_per_prompt", "seed",
-            "batch_size", "prompts_per_shard", "backend", "dtype")} | {"device_type": self.device_type}
-        identity = {"config": settings, "model": {"fingerprint": self.fingerprint["sha256"]},
-                    "inputs": [f.fingerprint() for f in self.files]}
-        if config.mode == "chat":
-            identity["chat_template"] = self.chat_template_record()
-        return identity
+    def derived(self, world_size: int) -> dict:
+        return {"device_type": self.device_type}
+
+    def sources(self) -> dict:
+        sources = {"model": {"fingerprint": self.fingerprint["sha256"]}, "inputs": [f.fingerprint() for f in self.files]}
+        if self.config.mode == "chat":
+            sources["chat_template"] = self.chat_template_record()
+        return sources
 
     def chat_template_record(self) -> dict:
         """Where the student's chat template comes from and its sha256 (a changed template is a new run)."""
@@ -103,8 +103,8 @@ class GenerateStage(Stage):
                            "field that holds the prompts, or --mode chat for records with `messages`.")
         log(f"planning {len(prompts)} prompts x {self.config.samples_per_prompt} samples...")
         size = self.config.prompts_per_shard
-        return [ShardTask(index, shard_name(index % world_size, index), {"prompts": prompts[start:start + size]})
-                for index, start in enumerate(range(0, len(prompts), size))]
+        return numbered_tasks([{"prompts": prompts[start:start + size]} for start in range(0, len(prompts), size)],
+                              world_size)
 
     def shard_writer(self) -> GenerateShardWriter:
         return GenerateShardWriter(self.config, str(self.model_path / (self.gguf_file or "")))
@@ -114,7 +114,7 @@ def read_prompts(files, config: GenerateConfig, refused: dict | None = None) -> 
     """Every usable prompt in corpus order: text mode {"source", "record_index", "prompt"[, "reference"]},
     chat mode {"source", "record_index", "record"[, "reference"]} (`chat_prompts.chat_prompt`); the
     reasons chat records were skipped are counted in `refused`."""
-    from csd_pipeline.align.corpus import CorpusFile, ReadOptions, plan_shards, read_segment
+    from csd_pipeline.align.corpus import CorpusFile, ReadOptions, plan_shards, read_segment, segment_spec
     from csd_pipeline.generate.chat_prompts import chat_prompt
 
     chat = config.mode == "chat"
@@ -123,7 +123,7 @@ def read_prompts(files, config: GenerateConfig, refused: dict | None = None) -> 
     refused = {} if refused is None else refused
     for segments in plan_shards(files, options, 1 << 62):
         for segment in segments:
-            spec = {**{k: v for k, v in segment.items() if k != "file"}, **files[segment["file"]].spec()}
+            spec = segment_spec(files, segment)
             for document in read_segment(CorpusFile.from_spec(spec), spec, options):
                 if not document.text:
                     continue

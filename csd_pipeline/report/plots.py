@@ -245,7 +245,7 @@ def tasks(runs, out: Path, name: str, limit: int = 6) -> str | None:
         ax.legend(fontsize=7)
     for ax in axes.ravel()[len(pairs):]:
         ax.set_visible(False)
-    fig.suptitle("standard tasks on the export (higher is better; bars: the harness's standard error)", fontsize=11)
+    fig.suptitle("standard tasks on the export (bars: the harness's standard error)", fontsize=11)
     return _save(fig, out, name)
 
 

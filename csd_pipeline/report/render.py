@@ -5,11 +5,13 @@ by reason, window lengths and per-source coverage (`stats.aligned_tables`); a te
 the teacher mass on explicit events and its distribution (`coverage.teacher_coverage`); training runs
 are drawn together (loss, CE, KD, held-out bits per byte, per source when the held-out folder has several
 sources, lm-evaluation-harness task scores, event coverage), so arms compare at a glance.
-The folder holds only the report: `report.md` and `*.png` it refers to by relative name.
+The folder holds only the report: `report.md` and `*.png` it refers to by relative name. An object-store
+`--output` (`s3://...`) gets the same files, drawn locally, uploaded whole, `report.md` last.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from csd_pipeline.report import TEACHER_ROWS, plots
@@ -21,7 +23,8 @@ REPORT_NAME = "report.md"
 
 def write_report(directories: list, output, *, title: str = "csd-pipeline report", preface: list[str] | None = None,
                  teacher_rows: int = TEACHER_ROWS, progress_bar=None) -> Path:
-    """Write `output/report.md` and its PNGs for `directories`; return the report's path.
+    """Write `output/report.md` and its PNGs for `directories` (`output`: a folder or an object-store URL);
+    return the report's path (a `UPath` for a URL).
 
     `preface`: Markdown lines put under the title (the demo's scores). `teacher_rows`: rows read per
     teacher output for the mass on explicit events. Raises `CsdError` (before writing anything) when a
@@ -31,11 +34,19 @@ def write_report(directories: list, output, *, title: str = "csd-pipeline report
 
     if not directories:
         raise CsdError("pass at least one output folder of align, teacher-logits or csd-train.")
+    from csd_pipeline.runtime import storage
+
     folders = [recognise(d) for d in directories]
     plots.pyplot()  # a missing matplotlib is one line before anything is written
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise CsdError(f"--output {out} is a file; pass a folder for the report.")
+    target = storage.location(output)
+    if target.is_file():
+        raise CsdError(f"--output {storage.redact(str(target))} is a file; pass a folder for the report.")
+    if storage.is_remote(target):  # drawn in a local staging folder, uploaded at the end
+        storage.check_writable(target)
+        out = storage.staging_path(target)
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        out = target
     out.mkdir(parents=True, exist_ok=True)
     names = labels(folders)
     lines = [f"# {title}", ""] + list(preface or [])
@@ -52,7 +63,9 @@ def write_report(directories: list, output, *, title: str = "csd-pipeline report
     tmp = out / f"{REPORT_NAME}.tmp"
     tmp.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     tmp.replace(report)
-    return report
+    if out is not target:  # every plot uploaded whole, report.md last: a reader never finds it without its plots
+        storage.upload_folder(out, target, last=REPORT_NAME, replace=False)
+    return target / REPORT_NAME
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -169,23 +182,31 @@ def _training_section(runs, out: Path) -> list[str]:
 
 def _tasks_table(runs) -> list[str]:
     """lm-evaluation-harness scores of `csd-train --eval-tasks` at each run's last task evaluation, ± the harness's
-    standard error, next to the held-out bits per byte of the same step."""
-    rows, metrics = [], sorted({m for run in runs for _, m in run.task_metrics()})
+    standard error, next to the held-out bits per byte of the same step: one table per set of metrics (accuracy
+    tasks apart from bits-per-byte tasks), each with its tasks' own columns."""
+    by_task: dict[str, set] = {}
+    for run in runs:
+        for task, metric in run.task_metrics():
+            by_task.setdefault(task, set()).add(metric)
+    tables: dict[tuple, list] = {}
     for run in runs:
         bits = dict(zip(*run.series("bits_per_byte", evals=True)))
         for task in sorted({t for t, _ in run.task_metrics()}):
-            cells, step = [], None
+            metrics, cells, step = tuple(sorted(by_task[task])), [], None
             for metric in metrics:
                 steps, values, errors = run.task_series(task, metric)
                 step = steps[-1] if steps else step
                 cells.append(f"{values[-1]:.3f}" + (f" ± {errors[-1]:.3f}" if errors[-1] == errors[-1] else "")
                              if steps else "-")
-            rows.append([run.label, f"`{task}`", step, *cells, f"{bits[step]:.4f}" if step in bits else "-"])
-    if not rows:
+            tables.setdefault(metrics, []).append([run.label, f"`{task}`", step, *cells,
+                                                   f"{bits[step]:.4f}" if step in bits else "-"])
+    if not tables:
         return []
-    return ["Standard tasks (lm-evaluation-harness on the run's export, `csd-train --eval-tasks`; ± the harness's "
-            "standard error) at the last task evaluation, next to the held-out bits per byte of that step.", ""] + \
-        _table(["run", "task", "step", *metrics, "held-out bits/byte"], rows)
+    lines = ["Standard tasks (lm-evaluation-harness on the run's export, `csd-train --eval-tasks`; ± the harness's "
+             "standard error) at the last task evaluation, next to the held-out bits per byte of that step.", ""]
+    for metrics, rows in tables.items():
+        lines += _table(["run", "task", "step", *metrics, "held-out bits/byte"], rows)
+    return lines
 
 
 def _sources_table(runs) -> list[str]:

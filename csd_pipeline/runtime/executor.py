@@ -120,6 +120,11 @@ def shard_name(rank: int, index: int) -> str:
     return f"part-{rank:05d}-{index:05d}"
 
 
+def numbered_tasks(specs, world_size: int) -> list:
+    """One `ShardTask` per spec, in order: task i is named for rank i % world_size (`shard_name`)."""
+    return [ShardTask(index, shard_name(index % world_size, index), spec) for index, spec in enumerate(specs)]
+
+
 # ---------------------------------------------------------------------------------------------
 # What a stage declares
 
@@ -150,10 +155,14 @@ class ShardResult:
 
 class Stage:
     """A stage as the executor sees it. Subclasses set `name` (the manifest's "stage"),
-    `schema_version`, `output_dir` (and `suffix`) and define:
+    `schema_version`, `config`, `output_dir` (and `suffix`) and define:
 
     - `identity(world_size)`: a JSON dict that a re-run into the same directory must match
-      exactly; its keys become top-level manifest keys (config, inputs, fingerprints);
+      exactly; its keys become top-level manifest keys (config, inputs, fingerprints). A stage
+      declares it in two parts, and the executor's `Stage.identity` joins them: `recorded`, the
+      names of its "config" in their order (a config field's value unless `derived(world_size)`
+      gives one: a resolved dtype, the world size), then `sources()`, what else decides its bytes
+      (input fingerprints, models, tokenizers);
     - `plan(world_size, log)`: every shard of every rank, `ShardTask`s in index order (task i
       has index i); called once per output directory;
     - `shard_writer()`: a picklable callable `(task, tmp_path) -> ShardResult` that writes one
@@ -172,7 +181,20 @@ class Stage:
     suffix: str = ".parquet"
     work_unit: str = "shard"
 
+    recorded: tuple[str, ...] = ()
+
     def identity(self, world_size: int) -> dict:
+        """{"config": each `recorded` name's value, in order, then `sources()`}."""
+        derived = self.derived(world_size)
+        config = {name: derived[name] if name in derived else getattr(self.config, name) for name in self.recorded}
+        return {"config": config, **self.sources()}
+
+    def derived(self, world_size: int) -> dict:
+        """The `recorded` values that are not the config field of that name as given."""
+        return {}
+
+    def sources(self) -> dict:
+        """The identity's keys after "config": what else the output's bytes depend on."""
         raise NotImplementedError
 
     def plan(self, world_size: int, log: Callable[[str], None]) -> list[ShardTask]:
@@ -264,6 +286,8 @@ def run_stage(stage: Stage, placement: Placement | None = None, *,
     stage.prepare(log)
 
     mine = tasks[rank::world_size]
+    if storage.is_remote(out):  # what killed writers of this host were staging: a shard, a table copy, a record
+        remove_dead_writers_tmp(storage.staging_root())
     if (out / MANIFEST_NAME).is_file() and all(read_marker(out, t.name, stage.suffix) for t in mine):
         log(f"{out}: already complete (manifest present); nothing to do.")
         return RunReport(rank, world_size, [], [t.name for t in mine], False, True)

@@ -1,6 +1,6 @@
 """One line for a failed read or write: what failed, where, and what to do.
 
-The command-line entry points (`cli.main.run_cli`, `trainer.main`) turn an `OSError` that no stage
+The command-line entry points (`csd_pipeline.errors.exit_on_error`) turn an `OSError` that no stage
 turned into a `CsdError` (disk full, read-only file system, a path under a regular file, ...) into
 `io_error_message(err, rerun)`. Stages write through temporary names and rename, and remove what
 they were writing when a write fails, so the re-run that the message asks for finishes with the

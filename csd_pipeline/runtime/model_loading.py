@@ -153,8 +153,11 @@ def resolve_model_source(arg: str, *, trust_remote_code: bool = False) -> tuple[
 
     `arg`: a fixture model name, a local HF folder, a `.gguf` file (or a folder holding exactly one
     and no config.json), or a hub name (downloaded with huggingface_hub; needs a network).
-    Raises CsdError when nothing usable is found.
+    Raises CsdError when nothing usable is found, or `arg` is an object-store URL (copy it locally).
     """
+    from csd_pipeline.runtime.storage import refuse_url
+
+    refuse_url(arg, "model")
     try:
         from csd_pipeline.fixtures.names import resolve_model_arg
 

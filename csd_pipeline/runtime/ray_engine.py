@@ -7,8 +7,10 @@ the command) connects to a Ray cluster (`--ray-address`, else RAY_ADDRESS, else 
 each with `--num-cpus-per-worker` CPUs and `--num-gpus-per-worker` GPUs, and hands every actor one
 copy of the stage's shard writer. The writer loads its model or tokenizers on its first shard, so
 an actor loads them once and then takes shard after shard as it becomes idle. Each shard is one actor task that runs the executor's
-own `_write_shard` (temporary name, rename, completion marker), on the output directory the
-workers see (a shared file system; object storage once paths take URLs). The driver writes the
+own `_write_shard` (temporary name, rename, completion marker; on an object store: staging file,
+upload, completion record), on the output location the workers see (a shared file system or an
+object-store URL; the driver's `--storage-options` and `--cache-dir` travel to each actor with its
+constructor, through Ray's own channels, never into an output or a log line). The driver writes the
 stats and the manifest, as with local workers.
 
 Failures: an actor whose process dies (killed, out of memory) is restarted by Ray and its shard
@@ -67,16 +69,20 @@ class EngineConfig:
 
 
 class ShardWorker:
-    """A Ray actor's state: one copy of the stage's shard writer, which loads its model on first use."""
+    """A Ray actor's state: one copy of the stage's shard writer, which loads its model on first use.
+    `storage_env`: the driver's `--storage-options` / `--cache-dir` (`storage.worker_env`), which an actor on
+    another node (started by `ray start`, not by this driver) would not otherwise have."""
 
-    def __init__(self, writer) -> None:
+    def __init__(self, writer, storage_env: dict | None = None) -> None:
+        os.environ.update(storage_env or {})
         self.writer = writer
 
     def write(self, task: dict, out: str, suffix: str) -> dict:
-        """Write shard `task` (`ShardTask.to_json()`) into `out`; returns its completion marker."""
-        from csd_pipeline.runtime import executor
+        """Write shard `task` (`ShardTask.to_json()`) into `out` (a folder or an object-store URL); returns its
+        completion marker."""
+        from csd_pipeline.runtime import executor, storage
 
-        return executor._write_shard(self.writer, executor.ShardTask.from_json(task), Path(out), suffix)
+        return executor._write_shard(self.writer, executor.ShardTask.from_json(task), storage.location(out), suffix)
 
     def pid(self) -> int:
         return os.getpid()
@@ -139,7 +145,9 @@ def run_on_ray(config: EngineConfig, writer, pending: list, workers: int, out: P
     died more than `RETRIES` times; a shard writer's own `CsdError` (bad input) comes through as it is."""
     import ray
 
+    from csd_pipeline.runtime import storage
     from csd_pipeline.runtime.leftovers import remove_dead_writers_tmp
+    from csd_pipeline.runtime.storage import is_remote, remove_staged
 
     started = connect(config)
     actors = []
@@ -149,7 +157,7 @@ def run_on_ray(config: EngineConfig, writer, pending: list, workers: int, out: P
                                                 num_gpus=config.num_gpus_per_worker,
                                                 max_restarts=RETRIES, max_task_retries=RETRIES)
         # The writer goes to each actor by value (a config, no model): a restarted actor rebuilds from it.
-        actors = [actor.remote(writer) for _ in range(workers)]
+        actors = [actor.remote(writer, storage.worker_env()) for _ in range(workers)]
         _dispatch(actors, pending, lambda a, task: a.write.remote(task.to_json(), str(out), suffix), done)
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, CsdError):
@@ -162,7 +170,10 @@ def run_on_ray(config: EngineConfig, writer, pending: list, workers: int, out: P
     finally:
         for a in actors:
             ray.kill(a)
-        remove_dead_writers_tmp(out)  # the temporary shards of killed workers on this host
+        if is_remote(out):  # an object store holds no temporary objects: the staging files on this host
+            remove_staged([f"{task.name}{suffix}" for task in pending], out)
+        else:
+            remove_dead_writers_tmp(out)  # the temporary shards of killed workers on this host
         if started:
             ray.shutdown()
 

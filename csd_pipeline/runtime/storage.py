@@ -44,6 +44,17 @@ def is_remote(path) -> bool:
     return is_remote_object(path)
 
 
+def refuse_url(arg, what: str) -> None:
+    """Raise `CsdError` when `arg` (a model or tokenizer argument, `what`) is an object-store URL: those are
+    read from a local folder or file (transformers and tokenizers open local files), so the user copies them."""
+    if is_url(str(arg)):
+        from csd_pipeline.errors import CsdError
+
+        raise CsdError(f"{what} {redact(str(arg))}: models and tokenizers are read from a local folder or file, not "
+                       "from object storage; copy it to a local disk first (e.g. `aws s3 cp --recursive URL DIR`) "
+                       "and pass that folder.")
+
+
 def configure(options_json: str | None) -> None:
     """Take `--storage-options JSON` (a JSON object of fsspec file system keyword arguments; None:
     keep the environment's). Raises `CsdError` naming the option when it is not a JSON object."""
@@ -89,6 +100,12 @@ def take_storage_flags(argv: list[str]) -> list[str]:
     return rest
 
 
+def worker_env() -> dict:
+    """The variables that `--storage-options` and `--cache-dir` set in this process, for a worker that does
+    not inherit its environment from it (a Ray actor)."""
+    return {name: os.environ[name] for name in (OPTIONS_ENV, CACHE_ENV) if os.environ.get(name)}
+
+
 def storage_options() -> dict:
     """The fsspec keyword arguments given with `--storage-options` (empty when none)."""
     text = os.environ.get(OPTIONS_ENV)
@@ -111,6 +128,11 @@ def location(arg):
     try:
         from upath import UPath
 
+        if arg.split(":", 1)[0].lower() in ("gs", "gcs"):
+            import logging
+
+            # gcsfs logs each failed request's traceback; the one error line below says it once
+            logging.getLogger("gcsfs").addHandler(logging.NullHandler())
         options = storage_options()
         if arg.split(":", 1)[0].lower() in _EXTRAS:  # s3fs / gcsfs: list the store, never a stale cached listing
             options = {"use_listings_cache": False, **options}
@@ -198,9 +220,14 @@ def staging_path(final) -> Path:
     if not is_remote(final):
         return tmp_path(final)
     folder = hashlib.sha256(str(final.parent).encode()).hexdigest()[:16]
-    staging = Path(tempfile.gettempdir()) / "csd-pipeline-staging" / folder
+    staging = staging_root() / folder
     staging.mkdir(parents=True, exist_ok=True)
     return tmp_path(staging / final.name)
+
+
+def staging_root() -> Path:
+    """The local folder under which every object-store writer of this host stages its files."""
+    return Path(tempfile.gettempdir()) / "csd-pipeline-staging"
 
 
 def upload(tmp: Path, final) -> None:
@@ -210,13 +237,14 @@ def upload(tmp: Path, final) -> None:
     tmp.unlink(missing_ok=True)
 
 
-def upload_folder(local: Path, target, last: str) -> None:
+def upload_folder(local: Path, target, last: str, replace: bool = True) -> None:
     """Replace the object folder `target` by the local folder `local` (then removed): every file,
     `last` (the file a reader opens first, e.g. an HF export's config.json) after all the others, so
-    a reader never finds it next to missing files."""
+    a reader never finds it next to missing files. `replace=False`: keep the objects already under
+    `target` that `local` does not overwrite (as writing into a local folder would)."""
     import shutil
 
-    if target.exists():
+    if replace and target.exists():
         target.fs.rm(target.path, recursive=True)
     files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name == last, str(p)))
     for path in files:
@@ -280,6 +308,38 @@ def local_file(path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         path.fs.get_file(path.path, str(target))
     return target
+
+
+def model_copy(folder) -> Path:
+    """A local copy of the object-store folder `folder` (a model that a loader reads from a local folder, e.g.
+    a csd-train export): made under `--cache-dir` (else a temporary folder) in a folder named by the URL,
+    checked against the store's listing (every object there, with its size), and made again when that
+    listing (names, sizes, ETags) changed since. Raises `CsdError` when the folder is empty or a file
+    arrives with another size."""
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.runtime.files import atomic_write_json, replace_directory, tmp_path
+
+    base = folder.path.rstrip("/") + "/"
+    listing = {info["name"][len(base):]: [info["size"], info.get("ETag") or info.get("etag")]
+               for info in folder.fs.find(folder.path, detail=True).values() if info["name"].startswith(base)}
+    if not listing:
+        raise CsdError(f"{redact(str(folder))} holds no files; pass a model folder that exists.")
+    root = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "csd-pipeline-downloads") / "models"
+    local = root / hashlib.sha256(str(folder).encode()).hexdigest()[:16]
+    stamp = local.with_name(local.name + ".listing.json")
+    if local.is_dir() and stamp.is_file() and json.loads(stamp.read_text()) == listing:
+        return local
+    building = tmp_path(local)
+    for name, (size, _) in listing.items():
+        target = building / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        folder.fs.get_file(base + name, str(target))
+        if target.stat().st_size != size:
+            raise CsdError(f"{redact(str(folder))}/{name}: {target.stat().st_size} bytes arrived of {size}; "
+                           "run the command again.")
+    replace_directory(building, local)
+    atomic_write_json(stamp, listing)
+    return local
 
 
 def readable(path, sha256: str | None):
@@ -352,6 +412,10 @@ _ADVICE = {
     "bucket": ("its bucket does not exist", "create the bucket or fix the URL"),
     "denied": ("access was denied", "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
                "~/.aws, or --storage-options) and the bucket's policy"),
+    "gs-endpoint": ("the object store cannot be reached", "check endpoint_url in --storage-options (or "
+                    "STORAGE_EMULATOR_HOST) and the network"),
+    "gs-denied": ("access was denied", "check the credentials (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth "
+                  "application-default login`, or token in --storage-options) and the bucket's IAM policy"),
     "missing": ("an object it lists is missing", "it was deleted after its stage wrote it: re-run that stage into a "
                 "new --output, or restore the object"),
 }
@@ -364,16 +428,20 @@ def describe_error(err: BaseException, url: str | None = None) -> str | None:
     where = _failed_url(err) or url or (_roots[-1] if _roots else None)
     if kind is None or where is None or not (_roots or is_url(where)):
         return None
-    reason, advice = _ADVICE[kind]
+    google = re.match(r"(gs|gcs)://", redact(where)) and f"gs-{kind}" in _ADVICE
+    reason, advice = _ADVICE[f"gs-{kind}" if google else kind]
     return f"object storage failed at {redact(where)} ({reason}); {advice}, then re-run the same command."
 
 
 def _failed_url(err: BaseException) -> str | None:
+    """The object `err` names, when it lies under a URL this process was given (an API path such as gcsfs's
+    `.../b/BUCKET/o/KEY` is not one: the URL given is named instead)."""
     text = str(err)
     for root in _roots:
         protocol = root.split("://", 1)[0]
         bucket = root.split("://", 1)[1].split("/", 1)[0]
-        match = re.search(re.escape(bucket) + r"[^\s'\"]*", text)
-        if match:
-            return f"{protocol}://{match.group(0)}"
+        for match in re.finditer(re.escape(bucket) + r"[^\s'\"]*", text):
+            found = f"{protocol}://{match.group(0)}"
+            if any(redact(found).startswith(redact(r).rstrip("/")) for r in _roots):
+                return found
     return None

@@ -1,6 +1,8 @@
 """`TeacherLogitsConfig`: the options of `csd-pipeline teacher-logits`, each with its one default and help.
 
-The click command (`cli/teacher_logits.py`) builds its flags from these fields.
+The click command (`cli/teacher_logits.py`) builds its flags from these fields. The fields marked
+`selector=True` are the options of the store's selectors (`teacher/store/selectors/`), which check them
+(`Selector.check_options`) and read them (`from_config`); the command offers each as a flag, in field order.
 """
 
 from __future__ import annotations
@@ -24,22 +26,23 @@ class TeacherLogitsConfig:
     teacher: str = option(help="The teacher model: a local Hugging Face folder, a GGUF file, a hub name or a fixture name.")
     output: str = option(help="Output directory (resumable).")
     teacher_index: int = option(0, "Which teacher of the aligned directory this model is (its teacher{i}_ids column).")
-    top_k: int = option(32, "Entries kept per position (with --top-p: at most this many).")
+    top_k: int = option(32, "Entries kept per position (with --top-p: at most this many).", selector=True)
     top_p: float | None = option(
         None, "Mass-adaptive top-k: keep each position's most likely entries until their probabilities reach "
-              "this mass (e.g. 0.99), at most --top-k of them (default: always --top-k).")
+              "this mass (e.g. 0.99), at most --top-k of them (default: always --top-k).", selector=True)
     min_p: float | None = option(
         None, "Relative cut: keep only the entries at least this many times as likely as the position's most likely "
-              "one (e.g. 0.005), at most --top-k of them: flat positions keep many, peaked ones few.")
+              "one (e.g. 0.005), at most --top-k of them: flat positions keep many, peaked ones few.", selector=True)
     tail_samples: int = option(
         0, "Also store this many draws from the rest of each position's distribution (outside the kept entries), "
            "each at an estimate of its probability, so the stored entries carry the teacher's whole mass in "
-           "expectation (CSD losses only; e.g. 32).")
-    sample_seed: int = option(0, "Seed of the --tail-samples draws (with each block's first row id).")
+           "expectation (CSD losses only; e.g. 32).", selector=True)
+    sample_seed: int = option(0, "Seed of the --tail-samples draws (with each block's first row id).", selector=True)
     keep: str = option(
         "top-k", "Which of those entries to store: top-k (all of them; every loss reads them) or csd-events (only "
                  "those the CSD loss turns into events with the aligned tables: the same CSD training from about 30% "
-                 "fewer bytes, but the baseline losses cannot read it).", choices=KEEP_CHOICES)
+                 "fewer bytes, but the baseline losses cannot read it).", choices=KEEP_CHOICES,
+        selector=True)
     batch_tokens: int = option(8192, "Token budget of one forward batch, padding included (rows are batched by length).")
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "Teacher weights: auto = float32 on CPU, bfloat16 on GPU. Logits and log-softmax are "
@@ -53,22 +56,9 @@ class TeacherLogitsConfig:
 
     def validate(self) -> None:
         """Raise CsdError naming the option that is out of range."""
-        from csd_pipeline.teacher.store.codec import MAX_K
+        from csd_pipeline.teacher.store.selectors import check_options
 
-        if not 1 <= self.top_k <= MAX_K:
-            raise CsdError(f"--top-k {self.top_k} is out of range; pass a value in [1, {MAX_K}].")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise CsdError(f"--top-p {self.top_p} is out of range; pass a mass in (0, 1], e.g. 0.99, or leave it out "
-                           "for a fixed --top-k.")
-        if self.min_p is not None and not 0.0 < self.min_p <= 1.0:
-            raise CsdError(f"--min-p {self.min_p} is out of range; pass a ratio in (0, 1], e.g. 0.005, or leave it out "
-                           "for a fixed --top-k.")
-        if not 0 <= self.tail_samples <= MAX_K - 1 - self.top_k:
-            raise CsdError(f"--tail-samples {self.tail_samples} is out of range with --top-k {self.top_k}; pass 0 (none) "
-                           f"up to {max(MAX_K - 1 - self.top_k, 0)} (--top-k + --tail-samples + 1 <= {MAX_K}).")
-        if self.keep not in KEEP_CHOICES:
-            raise CsdError(f"--keep {self.keep!r} is not one of {', '.join(KEEP_CHOICES)}; pass top-k (the default) or "
-                           "csd-events.")
+        check_options(self)  # each selector's options (`selector=True` fields), in its own file
         if self.batch_tokens < 1:
             raise CsdError(f"--batch-tokens {self.batch_tokens} is not positive; pass e.g. {TeacherLogitsConfig.batch_tokens}.")
         if not self.temperature > 0:

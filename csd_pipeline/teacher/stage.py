@@ -11,8 +11,8 @@ Parquet shards co-partitioned with the aligned shards (`csd_pipeline/teacher/sto
 directory, loads the teacher and checks it against the aligned teacher tokenizer, then declares
 what the shared executor needs:
 
-- identity: the capture settings (each selector declares its part), the teacher's fingerprint and
-  sizes, the aligned manifest's sha256;
+- identity: the capture settings (each selector declares its part, then `RECORDED`), the teacher's
+  fingerprint and sizes, the aligned manifest's sha256;
 - plan: one task per aligned shard, with the same name (co-partitioning);
 - shard writer: `TeacherShardWriter` (`shard_writer.py`): aligned shard -> runner -> selectors -> writer.
 
@@ -31,6 +31,10 @@ from csd_pipeline.runtime.storage import location
 from csd_pipeline.teacher.config import TeacherLogitsConfig
 from csd_pipeline.teacher.shard_writer import TeacherShardWriter, deterministic_torch, teacher_runner
 from csd_pipeline.teacher.store.schema import SCHEMA_VERSION, STAGE
+
+# The capture settings the identity's "config" records after the selectors' part, in this order.
+RECORDED = ("encoding", "logprob_step", "max_abs_error", "temperature", "dtype", "logits_dtype", "device_type",
+            "batch_tokens", "block_positions", "teacher_index")
 
 
 def run_teacher_logits(config: TeacherLogitsConfig, *, rank: int | None = None, world_size: int | None = None,
@@ -102,24 +106,20 @@ class TeacherLogitsStage(Stage):
                 "with this teacher's tokenizer."
             )
 
-    def identity(self, world_size: int) -> dict:
+    @property
+    def recorded(self) -> tuple[str, ...]:
+        """Each selector's part (recorded only when set: earlier outputs keep theirs), then `RECORDED`."""
+        return (*self.chain.identity(), *RECORDED)
+
+    def derived(self, world_size: int) -> dict:
         from csd_pipeline.teacher.store.codec import ENCODING, MAX_ABS_ERROR, STEPS_PER_NAT
 
-        config = self.config
+        return {**self.chain.identity(), "encoding": ENCODING, "logprob_step": 1 / STEPS_PER_NAT,
+                "max_abs_error": MAX_ABS_ERROR, "temperature": float(self.config.temperature), "dtype": self.dtype,
+                "logits_dtype": "float32", "device_type": self.device.type}
+
+    def sources(self) -> dict:
         return {
-            "config": {
-                **self.chain.identity(),  # each selector's part, recorded only when set (earlier outputs keep theirs)
-                "encoding": ENCODING,
-                "logprob_step": 1 / STEPS_PER_NAT,
-                "max_abs_error": MAX_ABS_ERROR,
-                "temperature": float(config.temperature),
-                "dtype": self.dtype,
-                "logits_dtype": "float32",
-                "device_type": self.device.type,
-                "batch_tokens": config.batch_tokens,
-                "block_positions": config.block_positions,
-                "teacher_index": config.teacher_index,
-            },
             "teacher": {
                 "fingerprint": self.loaded.fingerprint["sha256"],
                 "files": self.loaded.fingerprint["files"],

@@ -16,7 +16,6 @@ importing numpy.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from csd_pipeline.vocab.chain_encoder import ChainEncoderProcess
 from csd_pipeline.vocab.tables import SubtokenTable, count_chains, load_table, spelling_texts, validate_tables
@@ -52,21 +51,24 @@ def build_table_pair(student, teacher, chains) -> tuple[SubtokenTable, SubtokenT
 
 def build_and_validate_pair(student_arg: str, teacher_arg: str, output_dir: str | os.PathLike, *,
                             sample: int, trust_remote_code: bool = False) -> dict:
-    """Build both tables of (student, teacher) into `output_dir` (`STUDENT_TO_TEACHER`,
-    `TEACHER_TO_STUDENT`), read them back and validate them against the tokenizers; return
+    """Build both tables of (student, teacher) into `output_dir` (a folder or an object-store URL: each table
+    uploaded whole, `runtime/storage.py`) as `STUDENT_TO_TEACHER` and `TEACHER_TO_STUDENT`, read them back and validate them against the tokenizers; return
     {"student_to_teacher": path, "teacher_to_student": path, "report": validate_tables' report}.
     Raises CsdError as `tables build` and `tables validate` do."""
+    from csd_pipeline.runtime import storage
     from csd_pipeline.vocab.tokenizer_files import open_tokenizer
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
+    folder = storage.location(output_dir)
+    if storage.is_remote(folder):  # a missing bucket or refused credentials fail before the build
+        storage.check_writable(folder)
     opened = {arg: open_tokenizer(arg, trust_remote_code=trust_remote_code) for arg in (student_arg, teacher_arg)}
     with ChainEncoderProcess(opened[teacher_arg].file, teacher_arg) as to_teacher, \
             ChainEncoderProcess(opened[student_arg].file, student_arg) as to_student:
         student = load_tokenizer(student_arg, trust_remote_code=trust_remote_code, opened=opened[student_arg])
         teacher = load_tokenizer(teacher_arg, trust_remote_code=trust_remote_code, opened=opened[teacher_arg])
         s2t, t2s = build_table_pair(student, teacher, (to_teacher, to_student))
-    paths = {"student_to_teacher": Path(output_dir) / STUDENT_TO_TEACHER,
-             "teacher_to_student": Path(output_dir) / TEACHER_TO_STUDENT}
+    paths = {"student_to_teacher": folder / STUDENT_TO_TEACHER, "teacher_to_student": folder / TEACHER_TO_STUDENT}
     s2t.save(paths["student_to_teacher"])
     t2s.save(paths["teacher_to_student"])
     report = validate_tables(student, teacher, load_table(paths["student_to_teacher"]),

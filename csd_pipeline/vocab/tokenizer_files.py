@@ -33,7 +33,9 @@ def open_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer
     Raises CsdError for a missing/unreadable file or a folder with only a slow tokenizer.
     """
     from csd_pipeline.fixtures.names import resolve_tokenizer_arg
+    from csd_pipeline.runtime.storage import refuse_url
 
+    refuse_url(arg, "tokenizer")
     resolved = resolve_tokenizer_arg(str(arg))
     path = Path(resolved)
     if path.is_file():

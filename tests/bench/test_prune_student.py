@@ -1,4 +1,4 @@
-"""bench/prune_student.py: the pruned folder loads with transformers alone and computes what the kept layers compute."""
+"""bench/experiments/prune_student.py: the pruned folder loads with transformers alone and computes what the kept layers compute."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 
 def test_layer_specs_are_parsed_or_refused():
-    from bench.prune_student import parse_layers
+    from bench.experiments.prune_student import parse_layers
 
     assert parse_layers("0-2,5,8-9", 10) == [0, 1, 2, 5, 8, 9]
     for bad in ("", "3,1", "0-2,2", "0-10"):
@@ -18,7 +18,7 @@ def test_pruned_smollm2_loads_and_equals_the_kept_layers(tmp_path, fixtures_dir,
     import torch
     import transformers
 
-    from bench import prune_student
+    from bench.experiments import prune_student
     from csd_pipeline.runtime.model_loading import load_causal_lm
 
     out = tmp_path / "pruned"

@@ -109,11 +109,24 @@ def test_the_fixture_scores_like_a_float64_count(run_cli, model_path, tmp_path):
     assert (scores["acc,none"], scores["acc_norm,none"]) == pytest.approx((acc, acc_norm))
 
 
+def float64_bits(model, tokenizer, text: str) -> tuple[float, int]:
+    """(nats, bytes) of `text` whole: a float64 sum of the model's log-probabilities of its tokens after the
+    tokenizer's prefix token (BOS, else EOS), as the harness's rolling log-likelihood scores a short document."""
+    import torch
+
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    ids = [prefix, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    return -sum(float(logp[j - 1, ids[j]]) for j in range(1, len(ids))), len(text.encode("utf-8"))
+
+
 @pytest.mark.slow
 def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, model_path, tmp_path):
-    """csd_heldout_devil: the harness's rolling log-likelihood of a whole document, as bits per byte, equals a
-    float64 sum of the model's log-probabilities of the document's tokens after its prefix token."""
+    """csd_heldout_devil on two passages: each passage's bits per byte, their mean and its standard error
+    (sample standard deviation over sqrt(n)), and the byte-weighted bits per byte equal a float64 reference."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
+    import statistics
     from pathlib import Path
 
     import torch
@@ -122,20 +135,25 @@ def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, 
     import csd_pipeline.evaluation as evaluation
     from csd_pipeline.evaluation.task_data import load_task_jsonl
 
+    n = 2
     output = tmp_path / "results.json"
     code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_heldout_devil",
-                              "--limit", 1, "--device", "cpu", "--output", output])
+                              "--limit", n, "--device", "cpu", "--output", output])
     assert code == 0, err
     scores = json.loads(output.read_text())["results"]["csd_heldout_devil"]
     folder = model_path("smollm2-135m-instruct")
-    document = load_task_jsonl(Path(evaluation.__file__).parent / "tasks" / "heldout_text", "devil.jsonl")["test"][0]
+    documents = load_task_jsonl(Path(evaluation.__file__).parent / "tasks" / "heldout_text", "devil.jsonl")["test"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
-    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    ids = [prefix, *tokenizer(document["text"], add_special_tokens=False)["input_ids"]]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
-    nats = -sum(float(logp[j - 1, ids[j]]) for j in range(1, len(ids)))
-    expected = nats / len(document["text"].encode("utf-8")) / math.log(2)
-    assert scores["bits_per_byte,none"] == pytest.approx(expected, rel=1e-4)
-    assert f"csd_heldout_devil bits_per_byte {scores['bits_per_byte,none']:.4f}" in out
+    counts = [float64_bits(model, tokenizer, documents[i]["text"]) for i in range(n)]
+    per_passage = [nats / size / math.log(2) for nats, size in counts]
+    assert len(set(per_passage)) == n   # distinct passages: a standard error of zero would prove nothing
+    assert scores["passage_bits_per_byte,none"] == pytest.approx(statistics.fmean(per_passage), rel=1e-4)
+    assert scores["passage_bits_per_byte_stderr,none"] == pytest.approx(
+        statistics.stdev(per_passage) / math.sqrt(n), rel=1e-3)
+    byte_weighted = sum(nats for nats, _ in counts) / sum(size for _, size in counts) / math.log(2)
+    assert scores["bits_per_byte,none"] == pytest.approx(byte_weighted, rel=1e-4)
+    assert scores["bits_per_byte_stderr,none"] == "N/A"   # the harness has no standard error for the pooled figure
+    mean_line = (f"csd_heldout_devil passage_bits_per_byte {scores['passage_bits_per_byte,none']:.4f} ± "
+                 f"{scores['passage_bits_per_byte_stderr,none']:.4f}")
+    assert mean_line in out and f"csd_heldout_devil bits_per_byte {scores['bits_per_byte,none']:.4f}" in out

@@ -26,7 +26,8 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 
-from hypothesis import HealthCheck, settings
+import pytest
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from csd_pipeline.errors import CsdError
@@ -41,6 +42,8 @@ _COMMON = dict(deadline=None, derandomize=not os.environ.get("CSD_FUZZ_RANDOM"),
                                       HealthCheck.function_scoped_fixture])
 FAST = settings(max_examples=FAST_EXAMPLES, **_COMMON)
 SLOW = settings(max_examples=SLOW_EXAMPLES, **_COMMON)
+# each reader's test runs at both: `@pytest.mark.parametrize("settings", SPEEDS)` (slow: the slow tier)
+SPEEDS = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow", marks=pytest.mark.slow)]
 
 PATHS = ["../../etc/passwd", "/etc/passwd", "part-00000-00000.parquet/../../x", "", ".", "..", "a\x00b",
          "~/x", "done/../../../x", "tables/../../escape.safetensors"]
@@ -237,3 +240,16 @@ def json_mutations(original):
 def json_file_mutations(data: bytes):
     """Byte mutations and value mutations of a JSON file's bytes."""
     return st.one_of(byte_mutations(data), json_mutations(json.loads(data)))
+
+
+def run(examples, outcomes: Outcomes, data: bytes, strategy, example, **more) -> None:
+    """Call `example(kind, mutated, **drawn)` on each of `examples` (FAST or SLOW) mutations of `data` that
+    `strategy` draws (`more`: further strategies, drawn alongside), then report the outcomes."""
+
+    @examples
+    @given(mutation=strategy(data), **more)
+    def wrapped(mutation, **drawn):
+        example(*mutation, **drawn)
+
+    wrapped()
+    outcomes.report()

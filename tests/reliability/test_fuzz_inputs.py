@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
 
 from csd_pipeline.align.templates import TemplateRenderError
 from tests.reliability import fuzz_cases as fc
@@ -34,16 +33,6 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
                 {"role": "assistant", "content": "Seven."}]
 
 
-def run(settings, outcomes, data: bytes, strategy, example):
-    @settings
-    @given(mutation=strategy(data))
-    def wrapped(mutation):
-        example(*mutation)
-
-    wrapped()
-    outcomes.report()
-
-
 # ---------------------------------------------------------------------------------------------
 # Sub-token tables (safetensors)
 
@@ -56,7 +45,8 @@ def table_values(table):
             [np.asarray(a).tolist() for a in (table.prefix_source, table.prefix_destination, table.prefix_length)])
 
 
-def fuzz_table(tables_for, tmp_path, settings):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_table(tables_for, tmp_path, settings):
     from csd_pipeline.vocab.tables import load_table
 
     path = tmp_path / "student_to_teacher.safetensors"
@@ -69,16 +59,7 @@ def fuzz_table(tables_for, tmp_path, settings):
         path.write_bytes(mutated)
         outcomes.check(lambda: load_table(path), (str(path),), expected, table_values, kind)
 
-    run(settings, outcomes, data, fc.byte_mutations, example)
-
-
-def test_fuzz_table(tables_for, tmp_path):
-    fuzz_table(tables_for, tmp_path, fc.FAST)
-
-
-@pytest.mark.slow
-def test_fuzz_table_slow(tables_for, tmp_path):
-    fuzz_table(tables_for, tmp_path, fc.SLOW)
+    fc.run(settings, outcomes, data, fc.byte_mutations, example)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +87,8 @@ def checkpoint_values(metadata):
     return sorted((key, repr(value)) for key, value in metadata.state_dict_metadata.items())
 
 
-def fuzz_complete_json(checkpoint_folder, tmp_path, settings):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_complete_json(checkpoint_folder, tmp_path, settings):
     from trainer import checkpoint, checkpoint_guard
 
     folder = tmp_path / "step-1"
@@ -124,16 +106,7 @@ def fuzz_complete_json(checkpoint_folder, tmp_path, settings):
         path.write_bytes(mutated)
         outcomes.check(read, (str(folder),), expected, checkpoint_values, kind)
 
-    run(settings, outcomes, data, fc.json_file_mutations, example)
-
-
-def test_fuzz_complete_json(checkpoint_folder, tmp_path):
-    fuzz_complete_json(checkpoint_folder, tmp_path, fc.FAST)
-
-
-@pytest.mark.slow
-def test_fuzz_complete_json_slow(checkpoint_folder, tmp_path):
-    fuzz_complete_json(checkpoint_folder, tmp_path, fc.SLOW)
+    fc.run(settings, outcomes, data, fc.json_file_mutations, example)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +118,9 @@ def tokenizer_values(bundle):
             [e.ids.tolist() for e in bundle.encode_spans(["The Devil's Dictionary, 1911: caf\u00e9 \u4e2d"])])
 
 
-def fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, settings, name):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, settings, name):
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     monkeypatch.setenv("CSD_VOCAB_CACHE", "off")
@@ -162,25 +137,16 @@ def fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, settings, name):
                        other_ok=lambda bundle: "read: another tokenizer (another fingerprint)")
 
     strategy = fc.byte_mutations if name == "tokenizer.json" else fc.json_file_mutations
-    run(settings, outcomes, data, strategy, example)
-
-
-@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
-def test_fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, name):
-    fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, fc.FAST, name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
-def test_fuzz_tokenizer_slow(tokenizer_path, tmp_path, monkeypatch, name):
-    fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, fc.SLOW, name)
+    fc.run(settings, outcomes, data, strategy, example)
 
 
 # ---------------------------------------------------------------------------------------------
 # Chat templates (.jinja, tokenizer_config.json)
 
 
-def fuzz_template(tokenizer_path, template_path, tmp_path, settings, kind_of_file):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+@pytest.mark.parametrize("kind_of_file", ["jinja", "json"])
+def test_fuzz_template(tokenizer_path, template_path, tmp_path, settings, kind_of_file):
     from csd_pipeline.align.templates import load_chat_template
 
     if kind_of_file == "jinja":
@@ -210,18 +176,7 @@ def fuzz_template(tokenizer_path, template_path, tmp_path, settings, kind_of_fil
                                               "read: another template (another sha256)"))
 
     strategy = fc.byte_mutations if kind_of_file == "jinja" else fc.json_file_mutations
-    run(settings, outcomes, data, strategy, example)
-
-
-@pytest.mark.parametrize("kind_of_file", ["jinja", "json"])
-def test_fuzz_template(tokenizer_path, template_path, tmp_path, kind_of_file):
-    fuzz_template(tokenizer_path, template_path, tmp_path, fc.FAST, kind_of_file)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind_of_file", ["jinja", "json"])
-def test_fuzz_template_slow(tokenizer_path, template_path, tmp_path, kind_of_file):
-    fuzz_template(tokenizer_path, template_path, tmp_path, fc.SLOW, kind_of_file)
+    fc.run(settings, outcomes, data, strategy, example)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +205,9 @@ def read_corpus(path: Path):
     return documents
 
 
-def fuzz_corpus(tmp_path, settings, suffix):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".jsonl.gz"])
+def test_fuzz_corpus(tmp_path, settings, suffix):
     path = tmp_path / f"corpus{suffix}"
     data = corpus_bytes(suffix)
     path.write_bytes(data)
@@ -269,15 +226,4 @@ def fuzz_corpus(tmp_path, settings, suffix):
         path.write_bytes(mutated)
         outcomes.check(lambda: read_corpus(path), (str(path),), expected, mutation=kind, other_ok=other)
 
-    run(settings, outcomes, data, fc.byte_mutations if suffix != ".json" else fc.json_file_mutations, example)
-
-
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".jsonl.gz"])
-def test_fuzz_corpus(tmp_path, suffix):
-    fuzz_corpus(tmp_path, fc.FAST, suffix)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".jsonl.gz"])
-def test_fuzz_corpus_slow(tmp_path, suffix):
-    fuzz_corpus(tmp_path, fc.SLOW, suffix)
+    fc.run(settings, outcomes, data, fc.byte_mutations if suffix != ".json" else fc.json_file_mutations, example)

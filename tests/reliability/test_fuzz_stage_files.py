@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
 from hypothesis import strategies as st
 
 from csd_pipeline.align.output import AlignedOutput
@@ -88,7 +87,9 @@ def teacher_values(out, aligned: AlignedOutput):
             [teacher_rows(out.shard(i)) for i in range(len(out.shard_files))])
 
 
-def fuzz_manifest(outputs, settings, stage):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+@pytest.mark.parametrize("stage", ["aligned", "teacher"])
+def test_fuzz_manifest(outputs, settings, stage):
     from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     folder = outputs[stage]
@@ -101,26 +102,11 @@ def fuzz_manifest(outputs, settings, stage):
     expected = values(reader.open(folder))
     outcomes = fc.Outcomes(f"stage manifest ({stage} manifest.json, {reader.__name__}.open)", REASONS)
 
-    @settings
-    @given(mutation=fc.json_file_mutations(target.original))
-    def example(mutation):
-        kind, data = mutation
+    def example(kind, data):
         with target(data):
             outcomes.check(lambda: reader.open(folder), (str(folder),), expected, values, kind)
 
-    example()
-    outcomes.report()
-
-
-@pytest.mark.parametrize("stage", ["aligned", "teacher"])
-def test_fuzz_manifest(outputs, stage):
-    fuzz_manifest(outputs, fc.FAST, stage)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["aligned", "teacher"])
-def test_fuzz_manifest_slow(outputs, stage):
-    fuzz_manifest(outputs, fc.SLOW, stage)
+    fc.run(settings, outcomes, target.original, fc.json_file_mutations, example)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +126,8 @@ def run_record_values(folder: Path, record: dict):
     return read
 
 
-def fuzz_run_record(outputs, settings, tmp_path):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_run_record(outputs, settings, tmp_path):
     folder = tmp_path / "aligned"
     shutil.copytree(outputs["aligned"], folder)
     target = Mutated(folder / "run.json")
@@ -151,24 +138,11 @@ def fuzz_run_record(outputs, settings, tmp_path):
     expected = run_record_values(folder, record)()
     outcomes = fc.Outcomes("run record (run.json: record_run, recorded_tasks)", REASONS)
 
-    @settings
-    @given(mutation=fc.json_file_mutations(target.original))
-    def example(mutation):
-        kind, data = mutation
+    def example(kind, data):
         with target(data):
             outcomes.check(run_record_values(folder, record), (str(folder),), expected, mutation=kind)
 
-    example()
-    outcomes.report()
-
-
-def test_fuzz_run_record(outputs, tmp_path):
-    fuzz_run_record(outputs, fc.FAST, tmp_path)
-
-
-@pytest.mark.slow
-def test_fuzz_run_record_slow(outputs, tmp_path):
-    fuzz_run_record(outputs, fc.SLOW, tmp_path)
+    fc.run(settings, outcomes, target.original, fc.json_file_mutations, example)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +162,8 @@ def marker_outcome(marker, expected) -> str | None:
     return None
 
 
-def fuzz_marker(outputs, settings):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_marker(outputs, settings):
     from csd_pipeline.runtime.run_record import read_marker
 
     folder = outputs["aligned"]
@@ -197,25 +172,12 @@ def fuzz_marker(outputs, settings):
     expected = read_marker(folder, name, ".parquet")
     outcomes = fc.Outcomes("completion record (done/NAME.done, read_marker)", REASONS)
 
-    @settings
-    @given(mutation=fc.json_file_mutations(target.original))
-    def example(mutation):
-        kind, data = mutation
+    def example(kind, data):
         with target(data):
             outcomes.check(lambda: read_marker(folder, name, ".parquet"), (name,), expected, mutation=kind,
                            other_ok=lambda marker: marker_outcome(marker, expected))
 
-    example()
-    outcomes.report()
-
-
-def test_fuzz_marker(outputs):
-    fuzz_marker(outputs, fc.FAST)
-
-
-@pytest.mark.slow
-def test_fuzz_marker_slow(outputs):
-    fuzz_marker(outputs, fc.SLOW)
+    fc.run(settings, outcomes, target.original, fc.json_file_mutations, example)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,7 +205,8 @@ def footer_outcome(table) -> str:
     return "read without the sha256: other values (a footer byte changed; page checksums cover pages only)"
 
 
-def fuzz_aligned_shard(outputs, settings):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_aligned_shard(outputs, settings):
     from csd_pipeline.runtime.integrity import read_verified_table
 
     out = AlignedOutput.open(outputs["aligned"])
@@ -252,10 +215,7 @@ def fuzz_aligned_shard(outputs, settings):
     expected = out.read(shard, AlignedOutput.training_columns([0])).to_pydict()
     outcomes = fc.Outcomes("aligned shard (Parquet: AlignedOutput.read; and page checksums alone)", REASONS)
 
-    @settings
-    @given(mutation=fc.byte_mutations(target.original), hashed=st.booleans())
-    def example(mutation, hashed):
-        kind, data = mutation
+    def example(kind, data, hashed):
         columns = AlignedOutput.training_columns([0])
         # hashed: through the manifest's sha256; else page checksums alone (a reader without a recorded hash)
         read = (lambda: out.read(shard, columns)) if hashed else (
@@ -265,17 +225,7 @@ def fuzz_aligned_shard(outputs, settings):
                            f"{kind} ({'sha256' if hashed else 'page checksums'})",
                            other_ok=None if hashed or not touches_footer(target.original, data) else footer_outcome)
 
-    example()
-    outcomes.report()
-
-
-def test_fuzz_aligned_shard(outputs):
-    fuzz_aligned_shard(outputs, fc.FAST)
-
-
-@pytest.mark.slow
-def test_fuzz_aligned_shard_slow(outputs):
-    fuzz_aligned_shard(outputs, fc.SLOW)
+    fc.run(settings, outcomes, target.original, fc.byte_mutations, example, hashed=st.booleans())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +238,8 @@ def teacher_rows(shard) -> list:
              None if row.lengths is None else row.lengths.tolist()) for row in shard]
 
 
-def fuzz_teacher_shard(outputs, settings):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_teacher_shard(outputs, settings):
     from csd_pipeline.teacher.store.reader import TeacherTopkOutput
 
     out = TeacherTopkOutput.open(outputs["teacher"])
@@ -297,27 +248,39 @@ def fuzz_teacher_shard(outputs, settings):
     expected = teacher_rows(out.shard(0))
     outcomes = fc.Outcomes("teacher top-k shard (Parquet: TeacherTopkOutput.shard, every row decoded)", REASONS)
 
-    @settings
-    @given(mutation=fc.byte_mutations(target.original))
-    def example(mutation):
-        kind, data = mutation
+    def example(kind, data):
         with target(data):
             outcomes.check(lambda: out.shard(0), (str(path),), expected, teacher_rows, kind)
 
-    example()
-    outcomes.report()
+    fc.run(settings, outcomes, target.original, fc.byte_mutations, example)
 
 
-def test_fuzz_teacher_shard(outputs):
-    fuzz_teacher_shard(outputs, fc.FAST)
+def test_teacher_shard_with_a_row_group_of_no_rows_is_one_line(outputs, tmp_path):
+    """Found by test_fuzz_teacher_shard after the merges of 2026-12-03: bit 0 of byte 281 flipped gave a row group
+    whose payload column read empty, and the reader raised IndexError instead of naming the shard."""
+    import shutil
+
+    from csd_pipeline.errors import CsdError
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
+
+    folder = tmp_path / "teacher"
+    shutil.copytree(outputs["teacher"], folder)
+    out = TeacherTopkOutput.open(folder)
+    path = out.directory / out.manifest["shards"][0]["file"]
+    expected = teacher_rows(out.shard(0))
+    data = bytearray(path.read_bytes())
+    data[281] ^= 1
+    path.write_bytes(bytes(data))
+    try:
+        rows = teacher_rows(out.shard(0))
+    except CsdError as err:
+        assert "\n" not in str(err) and str(path) in str(err), str(err)
+    else:
+        assert rows == expected
 
 
-@pytest.mark.slow
-def test_fuzz_teacher_shard_slow(outputs):
-    fuzz_teacher_shard(outputs, fc.SLOW)
-
-
-def fuzz_codec(outputs, settings):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_codec(outputs, settings):
     """The payload codec alone, on payloads that passed no checksum: refused, or decoded in bounded time and
     memory (raw LZMA streams carry no checksum of their own; page checksums guard the payload in a shard)."""
     import pyarrow.parquet as pq
@@ -337,27 +300,15 @@ def fuzz_codec(outputs, settings):
     expected = values(decode_block(payload, mask))
     outcomes = fc.Outcomes("teacher payload codec (decode_block, no checksum in front)", REASONS)
 
-    @settings
-    @given(mutation=fc.byte_mutations(payload))
-    def example(mutation):
-        kind, data = mutation
+    def example(kind, data):
         outcomes.check(lambda: decode_block(data, mask), ("block", "payload", "teacher"), expected, values, kind,
                        other_ok=lambda decoded: "decoded to other values (unprotected without page checksums)")
 
-    example()
-    outcomes.report()
+    fc.run(settings, outcomes, payload, fc.byte_mutations, example)
 
 
-def test_fuzz_codec(outputs):
-    fuzz_codec(outputs, fc.FAST)
-
-
-@pytest.mark.slow
-def test_fuzz_codec_slow(outputs):
-    fuzz_codec(outputs, fc.SLOW)
-
-
-def fuzz_old_teacher_shard(outputs, settings, tmp_path):
+@pytest.mark.parametrize("settings", fc.SPEEDS)
+def test_fuzz_old_teacher_shard(outputs, settings, tmp_path):
     """A shard written before page checksums, read without its manifest's hash (`read_teacher_shard(DIR, FILE)`):
     nothing can tell a flipped payload byte from the teacher's values, but every read ends in a refusal naming
     the shard or in rows, never in another exception."""
@@ -377,22 +328,9 @@ def fuzz_old_teacher_shard(outputs, settings, tmp_path):
     expected = teacher_rows(read_teacher_shard(folder, file))
     outcomes = fc.Outcomes("teacher top-k shard without page checksums, read without a hash", REASONS)
 
-    @settings
-    @given(mutation=fc.byte_mutations(target.original))
-    def example(mutation):
-        kind, data = mutation
+    def example(kind, data):
         with target(data):
             outcomes.check(lambda: read_teacher_shard(folder, file), (str(target.path),), expected, teacher_rows, kind,
                            other_ok=lambda shard: "read: other values (no checksum to tell)")
 
-    example()
-    outcomes.report()
-
-
-def test_fuzz_old_teacher_shard(outputs, tmp_path):
-    fuzz_old_teacher_shard(outputs, fc.FAST, tmp_path)
-
-
-@pytest.mark.slow
-def test_fuzz_old_teacher_shard_slow(outputs, tmp_path):
-    fuzz_old_teacher_shard(outputs, fc.SLOW, tmp_path)
+    fc.run(settings, outcomes, target.original, fc.byte_mutations, example)

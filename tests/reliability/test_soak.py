@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,8 +41,8 @@ def test_eight_kills_over_the_four_stages_leave_the_same_outputs(tiny_teacher, t
         cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     report = json.loads((out / "soak.json").read_text())
-    assert report["verdict"] == {"ok": True, "problems": [], "kills": len(report["kills"])}
-    assert len(report["kills"]) >= 6, report["kills"]  # a kill whose command finished first is not delivered
+    assert report["verdict"]["ok"] and report["verdict"]["problems"] == [], report["verdict"]
+    assert len(report["kills"]) == 8, report["kills"]  # kills left after the last command go round again
     assert all(kill["where"] and not kill["orphans"] for kill in report["kills"])
     reference, run = out / "reference", out / "run"
     for stage in ("aligned", "teacher"):
@@ -49,3 +50,23 @@ def test_eight_kills_over_the_four_stages_leave_the_same_outputs(tiny_teacher, t
     assert losses(run / "student-csd") == losses(reference / "student-csd")
     assert len(losses(run / "student-csd")) == 6
     assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+
+
+@pytest.mark.slow
+def test_kills_left_after_the_last_command_go_round_again(tmp_path):
+    """Five kills drawn for moments the second command never reaches: lap 1 delivers none, lap 2 deals
+    them over both commands (now complete) and kills each re-run; with one lap allowed, all five are
+    reported as not delivered."""
+    from bench import soak
+
+    nap = [sys.executable, "-c", "import time; time.sleep(0.3)"]
+    commands = [soak.Command(name, nap, tmp_path / name, "tables") for name in ("first", "second")]
+    options = SimpleNamespace(attempt_timeout=60, orphan_bound=5, max_laps=4, engine="local")
+    planned = [soak.Kill(1, "time", 0.9) for _ in range(5)]
+    with open(tmp_path / "soak.log", "w") as log_file:
+        outcomes, undelivered = soak.soak(commands, planned, [0.3, 60.0], [0.1, 0.1], options, log_file)
+        assert undelivered == 0
+        assert [(o.lap, o.command, o.trigger, o.killed) for o in outcomes] == \
+            [(2, "first", "rerun", True)] * 3 + [(2, "second", "rerun", True)] * 2
+        options.max_laps = 1
+        assert soak.soak(commands, planned, [0.3, 60.0], [0.1, 0.1], options, log_file) == ([], 5)

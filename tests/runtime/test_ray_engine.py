@@ -23,9 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A local Ray cluster of 2 CPUs hosted by this process; its workers import this checkout, one thread each.
-    Yields the address another driver connects to."""
+def ray_cluster(tmp_path_factory, s3_server):
+    """A local Ray cluster of 2 CPUs hosted by this process; its workers import this checkout, one thread each,
+    and find the test S3 server (started first: they take this process's AWS_* variables). Yields the address
+    another driver connects to."""
     ray = pytest.importorskip("ray")
     with pytest.MonkeyPatch.context() as patch:
         path = os.environ.get("PYTHONPATH")
@@ -70,6 +71,30 @@ def test_align_on_ray_writes_the_local_bytes(ray_cluster, align_inputs, tmp_path
     report = run_align(align_config(corpus, tmp_path / "out", tables, shard_bytes=6_000), workers=3, engine=RAY)
     assert report.complete and len(report.processed) >= 6
     assert output_files(tmp_path / "out") == output_files(local)
+
+
+@pytest.mark.slow
+def test_align_on_ray_writes_the_local_bytes_to_s3(ray_cluster, align_inputs, s3_server, bucket, monkeypatch):
+    """2 actors write into moto's S3 server (a process); the endpoint and credentials reach them only through
+    --storage-options (the actors of a cluster started before the server do not have its AWS_* variables)."""
+    import json
+
+    from csd_pipeline.align.stage import run_align
+    from csd_pipeline.runtime import storage
+    from tests.s3_cases import SECRET
+
+    # what --storage-options sets (storage.configure), through monkeypatch so that it ends with the test
+    monkeypatch.setenv(storage.OPTIONS_ENV, json.dumps({"endpoint_url": s3_server.endpoint, "key": "testing",
+                                                        "secret": SECRET}))
+    corpus, tables, local = align_inputs
+    url = f"{bucket}/aligned"
+    report = run_align(align_config(corpus, url, tables, shard_bytes=6_000), workers=2, engine=RAY)
+    assert report.complete and len(report.processed) >= 6
+    written = s3_server.objects(url)
+    committed = {name: data for name, data in written.items() if name.endswith(".parquet") or name.startswith("done/")}
+    assert committed == {name: data for name, data in output_files(local).items() if name in committed}
+    assert len(committed) == 2 * len(report.processed) and "manifest.json" in written
+    assert all(SECRET.encode() not in data for data in written.values())
 
 
 def _kill_first_writer(out: Path, stop: threading.Event) -> list[int]:

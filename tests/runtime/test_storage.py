@@ -44,6 +44,26 @@ def test_a_stage_commits_to_s3_as_a_local_run_does(tmp_path, s3_server, bucket):
     assert all(SECRET.encode() not in data for data in s3_server.objects(bucket).values())
 
 
+def test_a_stage_on_s3_removes_what_a_killed_writer_of_this_host_was_staging(tmp_path, bucket, monkeypatch):
+    """A writer killed while staging any file for an object store (here a table copy, in another folder's
+    staging directory than the shards') leaves a local `<name>.<host>.<pid>.tmp`; the next stage run on an
+    object store removes it, and leaves a live writer's alone. The soak with Ray and S3 found one left."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(storage.tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    table = storage.location(f"{bucket}/other/tables/teacher_to_student.safetensors")
+    killed = storage.staging_path(table).with_name(f"{table.name}.{host}.{int(dead.stdout)}.tmp")
+    killed.write_bytes(b"half a table")
+    live = storage.staging_path(table)  # this process's own name: a writer still at work
+    live.write_bytes(b"being written")
+    assert run_stage(ToyStage(storage.location(f"{bucket}/toy"))).complete
+    assert not killed.exists() and live.read_bytes() == b"being written"
+
+
 def test_a_local_path_stays_a_path_and_bad_options_are_one_line(tmp_path):
     from pathlib import Path
 
@@ -52,3 +72,15 @@ def test_a_local_path_stays_a_path_and_bad_options_are_one_line(tmp_path):
     assert storage.redact("s3://KEY:SECRET@bucket/x?sig=1") == "s3://bucket/x"
     with pytest.raises(CsdError, match="--storage-options is not a JSON object"):
         storage.configure("[1, 2]")
+
+
+def test_a_model_or_tokenizer_url_is_refused_in_one_line():
+    from csd_pipeline.runtime.model_loading import resolve_model_source
+    from csd_pipeline.vocab.tokenizer_files import open_tokenizer
+
+    for load, what in ((resolve_model_source, "model"), (open_tokenizer, "tokenizer")):
+        with pytest.raises(CsdError) as refused:
+            load("s3://KEY:SECRET@models/teacher")
+        message = str(refused.value)
+        assert message.startswith(f"{what} s3://models/teacher:") and "copy it to a local disk first" in message
+        assert "SECRET" not in message and "\n" not in message

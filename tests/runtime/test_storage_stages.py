@@ -2,7 +2,7 @@
 
 The demo's four stages (align, teacher-logits, csd-train, bits-per-byte) on the smallest inputs the
 stage tests use: each shard has the sha256 of the local run's, and the held-out bits per byte is the
-local run's. A `kill -9` mid-align and mid-teacher-logits with the output in S3, then a re-run, gives
+local run's. `tables build-both`, `report` and `rounds` write into the bucket what they write locally. A `kill -9` mid-align and mid-teacher-logits with the output in S3, then a re-run, gives
 the same bytes; csd-train killed mid-checkpoint in S3 resumes to the same losses. The failures a user
 meets (wrong endpoint, missing bucket, denied credentials, an object deleted between two stages) are
 one `error:` line naming the URL, never the secret.
@@ -127,11 +127,92 @@ def test_the_four_stages_in_s3_write_the_local_bytes(work, runs, s3_server):
     remote_eval = s3_server.objects("s3://stages/run/student")["eval.jsonl"]
     assert [json.loads(line)["bits_per_byte"] for line in remote_eval.splitlines()] == [
         json.loads(line)["bits_per_byte"] for line in local_eval.splitlines()]
-    report = in_process(__import__("cli.main", fromlist=["main"]).main,
-                        ["report", "s3://stages/run/aligned", "s3://stages/run/topk", "--output", "report"], work)
-    assert (work / "report" / "report.md").is_file(), report
     everything = s3_server.objects("s3://stages")
     assert all(SECRET.encode() not in data for data in everything.values())
+
+
+def test_report_reads_and_writes_s3_as_a_local_report(work, runs, s3_server):
+    """The same report drawn into a local folder and into the bucket: the same files, report.md uploaded last."""
+    from cli.main import main as pipeline
+
+    inputs = ["report", "s3://stages/run/aligned", "s3://stages/run/topk", "s3://stages/run/student"]
+    local = in_process(pipeline, [*inputs, "--output", "report", "--quiet"], work)
+    assert (work / "report" / "report.md").is_file(), local
+    s3_server.client().put_object(Bucket="stages", Key="reports/r1/notes.txt", Body=b"kept")  # not the report's
+    in_process(pipeline, [*inputs, "--output", "s3://stages/reports/r1", "--quiet"], work)
+    remote = s3_server.objects("s3://stages/reports/r1")
+    assert remote.pop("notes.txt") == b"kept"  # a report adds its files to a folder, as on a local disk
+    assert remote == local_files(work / "report") and any(name.endswith(".png") for name in remote)
+
+
+def test_tables_build_both_into_s3_writes_the_local_bytes(work, runs, s3_server):
+    """`make tables`'s command with --output-dir in the bucket writes the bytes it writes into a local folder
+    (each table uploaded whole); `tables validate` and `tables inspect` read them from the bucket."""
+    import json as json_
+
+    from cli.main import main as pipeline
+
+    pair = ["--student-tokenizer", "llama-spm", "--teacher-tokenizer", "smollm2"]
+    for output in ("tables", "s3://stages/tables"):
+        in_process(pipeline, ["tables", "build-both", *pair, "--output-dir", output, "--quiet"], work)
+    built = s3_server.objects("s3://stages/tables")
+    assert built == local_files(work / "tables") and len(built) == 2
+    names = [f"s3://stages/tables/{name}" for name in ("student_to_teacher.safetensors", "teacher_to_student.safetensors")]
+    checked = json_.loads(in_process(pipeline, ["tables", "validate", *pair, "--student-to-teacher", names[0],
+                                                "--teacher-to-student", names[1], "--sample", "50", "--json"], work))
+    assert checked["ok"]
+    counts = json_.loads(in_process(pipeline, ["tables", "inspect", names[0], "--json"], work))
+    assert counts["source_vocab_size"] == 32000
+
+
+def test_rounds_with_the_output_in_s3_chain_the_exports_and_resume(work, runs, s3_server, tmp_path, monkeypatch):
+    """Two on-policy rounds with every output in the bucket: round 2 samples with a checked local copy of
+    round 1's export (the same bytes as its objects); a re-run trains nothing and rewrites nothing."""
+    from csd_pipeline.generate.rounds import RoundsConfig, run_rounds
+    from csd_pipeline.runtime import storage
+    from csd_pipeline.runtime.manifest import read_manifest
+    from tests.onpolicy_cases import prompt_corpus, tiny_student
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))  # where the export's local copy goes
+    config = RoundsConfig(student=str(tiny_student(tmp_path / "student")), teacher=str(work / "teacher"),
+                          teacher_tokenizer="smollm2", prompts=[str(prompt_corpus(tmp_path / "prompts.jsonl", 2))],
+                          output="s3://stages/rounds", rounds=2, steps=1, prompt_field="text", prompt_chars=60,
+                          max_new_tokens=6, max_student_tokens=64, top_k=8, device="cpu",
+                          train_args=["--batch-size 1 --workers 0 --progress false --warmup-steps 0"])
+    lines: list[str] = []
+    last = run_rounds(config, log=lines.append)
+    assert str(last) == "s3://stages/rounds/round-2/train/export"
+    written = s3_server.objects("s3://stages/rounds")
+    for r in (1, 2):
+        for stage, folder in (("generate", "generated"), ("align", "aligned"), ("teacher-logits", "teacher")):
+            read_manifest(storage.location(f"s3://stages/rounds/round-{r}/{folder}"), stage=stage)
+        assert f"round-{r}/train/export/config.json" in written and f"round-{r}/train/export/model.safetensors" in written
+    model = read_manifest(storage.location("s3://stages/rounds/round-2/generated"), stage="generate")["sources"]["model"]
+    export = {name[len("round-1/train/export/"):]: data for name, data in written.items()
+              if name.startswith("round-1/train/export/")}
+    assert model.startswith(str(tmp_path / "cache")) and local_files(Path(model)) == export
+    again: list[str] = []
+    assert str(run_rounds(config, log=again.append)) == str(last)
+    assert sum(line.startswith("$ csd-train") for line in lines) == 2
+    assert not any(line.startswith("$ csd-train") for line in again)
+    assert s3_server.objects("s3://stages/rounds") == written
+
+
+def test_csd_train_from_s3_with_loader_worker_processes_matches_the_in_process_loader(work, runs):
+    """csd-train reading its shards from S3 in forked loader workers (`--workers 1`): each worker opens its own
+    file system (an inherited s3fs one raised "This class is not fork-safe" in the worker; the soak found it)
+    and the losses are the local in-process loader's."""
+    args = ["--aligned", "s3://stages/run/aligned", "--teacher-logits", "s3://stages/run/topk", "--student-config",
+            work / "student.json", *TRAIN_ARGS, "--output", work / "workers-from-s3"]
+    args[args.index("--workers") + 1] = "1"
+    result = cli(args, work, tool=("-m", "trainer.main"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    def losses(folder):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r["ce"], r["kd"]) for r in rows]
+
+    assert losses(work / "workers-from-s3") == losses(work / "local" / "student")
 
 
 def test_kill_9_mid_stage_with_the_output_in_s3_resumes_to_the_same_bytes(work, runs, s3_server):

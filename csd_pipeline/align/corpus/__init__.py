@@ -39,7 +39,8 @@ from csd_pipeline.align.corpus.plan import (
     discover,
     plan_shards,
     read_segment,
+    segment_spec,
 )
 
 __all__ = ["CorpusFile", "Document", "ReadOptions", "MAX_SHARDS_PER_REGION", "SUFFIXES", "discover",
-           "plan_shards", "read_segment"]
+           "plan_shards", "read_segment", "segment_spec"]

@@ -206,6 +206,12 @@ def plan_shards(inputs: list[CorpusFile], options: ReadOptions, target_bytes: in
     return shards
 
 
+def segment_spec(inputs: list[CorpusFile], segment: dict) -> dict:
+    """A planned segment as a shard task carries it: its keys but the file index, and that file's own spec
+    (`CorpusFile.spec`), so that a worker reopens it (`CorpusFile.from_spec`) without the input list."""
+    return {**{key: value for key, value in segment.items() if key != "file"}, **inputs[segment["file"]].spec()}
+
+
 def _regions(file: CorpusFile, options: ReadOptions) -> Iterator[tuple[int | None, Iterator]]:
     """(bytes of the region or None when seekable, its (position, size) records) of `file`."""
     if file.compression:

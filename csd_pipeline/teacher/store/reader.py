@@ -107,7 +107,8 @@ class TeacherShard(Sequence):
             self._cached.move_to_end(block)
             return self._cached[block]
         first, last = self._block_rows[block]
-        payload = self._read(lambda: self._file.read_row_group(block, columns=["payload"])).column("payload")[0].as_py()
+        column = self._read(lambda: self._file.read_row_group(block, columns=["payload"])).column("payload")
+        payload = column[0].as_py() if len(column) else None  # a corrupt footer can give a row group no rows
         if payload is None:
             raise CsdError(f"teacher shard {self.path}: block {block} has no payload; the file is corrupt, re-run "
                            "teacher-logits.")

@@ -13,9 +13,13 @@ writer (`store/writer.py`) encodes what is left. Every selector
 - cuts one chunk of positions (`cut(entries, distribution)`: the forward's scope), or, with
   `reads_aligned`, each row of a shard with its aligned chunks (`row_cut(aligned_rows)`: the writer's scope).
 
-Adding a selector: one module here with a `Selector` subclass (its `from_config` reads the config or manifest
-key it owns), its class in `SELECTORS` at its place in the order, one test file in
-tests/teacher/store/selectors/, one line in docs/ARCHITECTURE.md ("Adding a selector").
+Each module here is found when the package is imported (`SELECTORS`: every `Selector` subclass of these
+modules, by its `order`), so adding a selector is one module with a `Selector` subclass (its `order`; its
+`from_config` reads the config or manifest key it owns and its `check_options` refuses that option out of
+range), the option itself (a `TeacherLogitsConfig` field marked `selector=True`, which `csd-pipeline
+teacher-logits` offers as a flag), one test file in tests/teacher/store/selectors/ and its docstring's first
+sentence, which is its row in docs/ARCHITECTURE.md's generated layout table (docs/ARCHITECTURE.md, "Adding a
+selector").
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Selector:
     values (they cross process boundaries)."""
 
     name = ""                   # as the docs and errors name it
+    order = 0                   # its place in the one order a store applies the selectors (SELECTORS)
     exact = True                # the kept values are the most likely entries at their exact log-probabilities
     inexact = ""                # what the store holds instead, when not exact (completes "... but DIR ...")
     needs_distribution = False  # cut() reads the whole softmax: it can only run inside the forward
@@ -74,6 +79,11 @@ class Selector:
         """This selector as the `config` dict (TeacherLogitsConfig fields, or a manifest's `config`) sets it, or
         None when it is not set. `aligned`: the `AlignedOutput` when building a new store (None when reading)."""
         raise NotImplementedError
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        """Raise `CsdError` naming the option when the `TeacherLogitsConfig` `config` sets this selector out of
+        range (before the teacher is loaded)."""
 
     def identity(self) -> dict:
         """Its keys of the stage identity's `config` (recorded only when set: earlier outputs keep theirs)."""
@@ -202,11 +212,33 @@ def chain_from_config(config: dict, aligned=None) -> SelectorChain:
     return SelectorChain(tuple(selectors))
 
 
-# The selectors, in the one order a store applies them (their modules import `Selector` from here).
-from csd_pipeline.teacher.store.selectors.csd_events import CsdEvents  # noqa: E402
-from csd_pipeline.teacher.store.selectors.min_p import MinP  # noqa: E402
-from csd_pipeline.teacher.store.selectors.tail_samples import TailSamples  # noqa: E402
-from csd_pipeline.teacher.store.selectors.top_k import TopK  # noqa: E402
-from csd_pipeline.teacher.store.selectors.top_p import TopP  # noqa: E402
+def check_share(value: float | None, flag: str, what: str, example: str) -> None:
+    """Refuse an option that, when given, must lie in (0, 1] (`--top-p`, `--min-p`), naming `flag`."""
+    if value is not None and not 0.0 < value <= 1.0:
+        raise CsdError(f"{flag} {value} is out of range; pass {what} in (0, 1], e.g. {example}, or leave it out for a "
+                       "fixed --top-k.")
 
-SELECTORS = (TopK, TopP, MinP, TailSamples, CsdEvents)
+
+def check_options(config) -> None:
+    """Every selector's `check_options` on the `TeacherLogitsConfig` `config` (`TeacherLogitsConfig.validate`)."""
+    for cls in SELECTORS:
+        cls.check_options(config)
+
+
+def _discover() -> tuple:
+    """Every `Selector` subclass defined in this package's modules (each imported here), by `order`."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    found = [cls for cls in Selector.__subclasses__() if cls.__module__.startswith(f"{__name__}.")]
+    orders = [cls.order for cls in found]
+    if len(set(orders)) != len(orders):
+        raise RuntimeError(f"two selectors share an order: {sorted((c.order, c.__name__) for c in found)}")
+    return tuple(sorted(found, key=lambda cls: cls.order))
+
+
+# The selectors, in the one order a store applies them: top-k, top-p, min-p, tail samples, CSD events.
+SELECTORS = _discover()
+globals().update({cls.__name__: cls for cls in SELECTORS})  # each by its class name too: `selectors.TopK`

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from csd_pipeline.errors import CsdError
 from csd_pipeline.events.batch import SHAPE_1_1, chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks
 from csd_pipeline.teacher.row import TeacherTopkRow
@@ -112,9 +113,18 @@ class CsdEvents(Selector):
     tables_sha256: tuple = ()
     tables: tuple = field(default=(), compare=False)
     name = "csd-events"
+    order = 50
     exact = False
     inexact = "keeps only the entries CSD turns into events (teacher-logits --keep csd-events)"
     reads_aligned = True
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        from csd_pipeline.teacher.config import KEEP_CHOICES
+
+        if config.keep not in KEEP_CHOICES:
+            raise CsdError(f"--keep {config.keep!r} is not one of {', '.join(KEEP_CHOICES)}; pass top-k (the default) "
+                           "or csd-events.")
 
     @classmethod
     def from_config(cls, config: dict, aligned=None) -> CsdEvents | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from csd_pipeline.teacher.store.selectors import Entries, Selector
+from csd_pipeline.teacher.store.selectors import Entries, Selector, check_share
 
 
 def relative_lengths(logprobs: np.ndarray, min_p: float) -> np.ndarray:
@@ -31,6 +31,11 @@ class MinP(Selector):
 
     ratio: float
     name = "min-p"
+    order = 30
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        check_share(config.min_p, "--min-p", "a ratio", "0.005")
 
     @classmethod
     def from_config(cls, config: dict, aligned=None) -> MinP | None:

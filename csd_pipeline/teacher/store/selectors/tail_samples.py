@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.store.selectors import Distribution, Entries, Selector
 
 
@@ -123,9 +124,18 @@ class TailSamples(Selector):
     samples: int
     seed: int = 0
     name = "tail-samples"
+    order = 40
     exact = False
     inexact = "holds --tail-samples draws at estimated values (teacher-logits --tail-samples)"
     needs_distribution = True
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        from csd_pipeline.teacher.store.codec import MAX_K
+
+        if not 0 <= config.tail_samples <= MAX_K - 1 - config.top_k:
+            raise CsdError(f"--tail-samples {config.tail_samples} is out of range with --top-k {config.top_k}; pass 0 "
+                           f"(none) up to {max(MAX_K - 1 - config.top_k, 0)} (--top-k + --tail-samples + 1 <= {MAX_K}).")
 
     @classmethod
     def from_config(cls, config: dict, aligned=None) -> TailSamples | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.store.selectors import Entries, Selector
 
 
@@ -20,6 +21,14 @@ class TopK(Selector):
 
     k: int
     name = "top-k"
+    order = 10
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        from csd_pipeline.teacher.store.codec import MAX_K
+
+        if not 1 <= config.top_k <= MAX_K:
+            raise CsdError(f"--top-k {config.top_k} is out of range; pass a value in [1, {MAX_K}].")
 
     @classmethod
     def from_config(cls, config: dict, aligned=None) -> TopK:

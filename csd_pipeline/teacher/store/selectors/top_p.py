@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from csd_pipeline.teacher.store.selectors import Entries, Selector
+from csd_pipeline.teacher.store.selectors import Entries, Selector, check_share
 
 
 def mass_lengths(logprobs: np.ndarray, top_p: float) -> np.ndarray:
@@ -32,6 +32,11 @@ class TopP(Selector):
 
     p: float
     name = "top-p"
+    order = 20
+
+    @classmethod
+    def check_options(cls, config) -> None:
+        check_share(config.top_p, "--top-p", "a mass", "0.99")
 
     @classmethod
     def from_config(cls, config: dict, aligned=None) -> TopP | None:

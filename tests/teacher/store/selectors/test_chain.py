@@ -81,3 +81,28 @@ def test_the_reader_checks_each_shards_selectors_against_the_manifest(tmp_path):
     for other in ({**config, "min_p": 0.05}, {**config, "min_p": None}, {**config, "tail_samples": 4}):
         with pytest.raises(CsdError, match=r"records the selectors csd.min_p='0.02'.* but .*manifest.json records"):
             TeacherTopkOutput(tmp_path, {"config": other, "shards": shards}).shard(0)
+
+
+@pytest.mark.parametrize(("options", "refusal"), [
+    ({"top_k": 0}, "--top-k 0 is out of range"),
+    ({"top_p": 1.5}, "--top-p 1.5 is out of range"),
+    ({"min_p": 0.0}, "--min-p 0.0 is out of range"),
+    ({"top_k": 200, "tail_samples": 60}, "--tail-samples 60 is out of range with --top-k 200; pass 0 (none) up to 54"),
+    ({"keep": "all"}, "--keep 'all' is not one of top-k, csd-events"),
+])
+def test_each_selector_checks_its_own_options(options, refusal):
+    """The selectors are found in their own modules and each refuses its option out of range, naming the flag;
+    `teacher-logits` offers every option a selector owns (the `selector=True` fields) as a flag."""
+    from click.testing import CliRunner
+
+    from cli.teacher_logits import teacher_logits
+    from csd_pipeline.teacher.config import TeacherLogitsConfig
+
+    assert [cls.__module__.rsplit(".", 1)[1] for cls in SELECTORS] == ["top_k", "top_p", "min_p", "tail_samples",
+                                                                         "csd_events"]
+    config = TeacherLogitsConfig(aligned="A", teacher="T", output="O", **options)
+    with pytest.raises(CsdError, match=refusal.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        config.validate()
+    help_text = CliRunner().invoke(teacher_logits, ["--help"]).output
+    for name in ("--top-k", "--top-p", "--min-p", "--tail-samples", "--sample-seed", "--keep"):
+        assert name in help_text

@@ -12,12 +12,13 @@ data and CSD better in both regimes; CE with limited data over-fits whatever the
 
 The teacher's top-128 is stored once per regime; arms that use fewer entries keep the most likely
 ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Default arms
-(DEFAULT_ARMS, about an hour on 2 CPU cores for both regimes): ce; csd under JSD with
+(`default_arms` in recipes/experiments.yaml, about an hour on 2 CPU cores for both regimes): ce; csd under JSD with
 the top-32 (beta 5, the paper's defaults; beta 1); csd with forward KL, beta 5, top-32 and top-8;
 csd_1to1 and csd with forward KL, beta 1, the top-128 and teacher temperature 1.5; then ce and the
-best arm again with a second seed to show seed noise. `--arms` also takes the extra arms of ARMS; `--seeds 0,1,2` runs
+best arm again with a second seed to show seed noise. `--arms` also takes the other arms of `quality` in
+recipes/experiments.yaml (each a recipe under recipes/quality/, and the store it reads under recipes/stores/); `--seeds 0,1,2` runs
 every chosen arm with each seed. The arms `csd kl b1 p0.99 t1.5`, `p0.90` and `p0.99k64` are the best
-arm reading a mass-adaptive store (`teacher-logits --top-p`, TOP_P_STORES), `events128`, `events72` and
+arm reading a mass-adaptive store (`teacher-logits --top-p`), `events128`, `events72` and
 `events68` a store of only the entries CSD reads (`--top-k 128` / `72` / `68 --keep csd-events`), `min0.004`,
 `min0.0035` and `min0.003` of those only the ones at least that many times as likely as the position's first (`--top-k 128
 --min-p R --keep csd-events`; `k255min0.0065`: `--top-k 255 --min-p 0.0065`; `w0.75` / `w1.5`: with that
@@ -28,7 +29,7 @@ when such an arm is chosen. A subset run adds its runs to quality.json, a full r
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
 
-`--comparison` runs the other cross-tokenizer methods against CSD instead (COMPARISON_ARMS): CE, the
+`--comparison` runs the other cross-tokenizer methods against CSD instead (`comparison_arms`): CE, the
 best CSD arm and csd_1to1, ULD, GOLD and CT-OPD's strict KD each at their published defaults plus a
 small sweep of their main knob, and the best CSD arm with its teacher rows shuffled (the control).
 Every arm runs with seed 0; then CE, both CSD arms, the control and, per baseline, its best seed-0 arm
@@ -38,204 +39,79 @@ bench-results/comparison.json (comparison-quick.json) and prints the table (mean
 min-max spread, vs CE, vs the control, seconds per step). `--jobs 2` (`make bench-compare`) runs two
 trainings side by side with one torch thread each: about 1.7x the runs per hour of one run on 2 cores.
 
-    python bench/bench_quality.py [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
-    python bench/bench_quality.py --comparison [--quick] [--jobs 2] [--regime ...] [--arms A,B --seeds 0,1]
+    python -m bench.experiments.quality [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
+    python -m bench.experiments.quality --comparison [--quick] [--jobs 2] [--regime ...] [--arms A,B --seeds 0,1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-WINDOW = 256
-REGIMES = {
-    "data-limited": {"train": "demo/corpus/devil-train.jsonl", "heldout": "demo/corpus/devil-heldout.jsonl", "steps": 600},
-    "data-rich": {"train": "bench/corpus/rich-train.jsonl", "heldout": "bench/corpus/rich-heldout.jsonl", "steps": 680},
-}
+from bench.experiments.plan import arm_flags, experiment, pick_arms, pick_seeds, store_path, train_config_args
+from bench.experiments.runner import (
+    BIN,
+    ROOT,
+    WINDOW,
+    bits_per_byte,
+    fresh_run,
+    read_jsonl,
+    run,
+    side_by_side,
+    write_run,
+)
+from csd_pipeline.errors import CsdError
+from csd_pipeline.recipes import store_flags
+
+EXP = experiment("quality")  # the regimes, the arms, the stores they read, the default and comparison arms, the seeds
+REGIMES = EXP.regimes  # name: {train, heldout, steps}
 WARMUP_STEPS = 80  # fewer when a run is shorter than 4x this (--quick)
-STORED_TOP_K = 128
-ARMS = {
-    "ce": ["--loss", "ce"],
-    "csd_1to1 jsd": ["--loss", "csd_1to1", "--divergence", "jsd", "teacher_top_k=32"],
-    "csd jsd b5": ["--loss", "csd", "--divergence", "jsd", "--beta", "5", "teacher_top_k=32"],
-    "csd jsd b1": ["--loss", "csd", "--divergence", "jsd", "--beta", "1", "teacher_top_k=32"],
-    "csd_1to1 kl": ["--loss", "csd_1to1", "--divergence", "kl", "teacher_top_k=32"],
-    "csd kl b5": ["--loss", "csd", "--divergence", "kl", "--beta", "5", "teacher_top_k=32"],
-    "csd kl b1": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "teacher_top_k=32"],
-    "csd kl b5 top8": ["--loss", "csd", "--divergence", "kl", "--beta", "5", "teacher_top_k=8"],
-    "csd_1to1 kl top128": ["--loss", "csd_1to1", "--divergence", "kl"],
-    "csd kl b1 top128": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
-    "csd_1to1 kl top128 t1.5": ["--loss", "csd_1to1", "--divergence", "kl", "--teacher-temperature", "1.5"],
-    "csd kl b1 top128 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 top96 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5",
-                             "teacher_top_k=96"],
-    # the control: the best arm's teacher rows given to other positions of the batch
-    "csd kl b1 top128 t1.5 shuffled": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
-                                       "1.5", "--teacher-control", "shuffled"],
-    # baselines (docs/TRAINING.md), all on the stored top-128. ULD: L = CE + w ULD, w = 1.5 published
-    "uld w1.5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "1.5"],
-    "uld w0.5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "0.5"],
-    "uld w5": ["--loss", "uld", "--kd-scale", "fixed", "--kd-weight", "5"],
-    # GOLD: TRL's defaults (JSD on shared spellings, adaptive matched weight, distillation weight 1)
-    "gold": ["--loss", "gold", "--divergence", "jsd", "--kd-scale", "fixed", "--kd-weight", "1"],
-    "gold m0.9": ["--loss", "gold", "--divergence", "jsd", "--gold-matched-weight", "0.9", "--kd-scale", "fixed",
-                  "--kd-weight", "1"],
-    "gold w5": ["--loss", "gold", "--divergence", "jsd", "--kd-scale", "fixed", "--kd-weight", "5"],
-    # CT-OPD strict: reverse KL, kd ratio 1.0 (no CE); its top-16 variant; the top-k knob; KDFlow's off-policy ratio
-    "strict": ["--loss", "strict", "--kd-scale", "ratio", "--kd-weight", "1"],
-    "strict top16": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "1"],
-    "strict top4": ["--loss", "strict", "--strict-top-k", "4", "--kd-scale", "ratio", "--kd-weight", "1"],
-    "strict top16 r0.5": ["--loss", "strict", "--strict-top-k", "16", "--kd-scale", "ratio", "--kd-weight", "0.5"],
-    "csd kl b1 p0.99 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 p0.90 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 p0.99k64 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 p0.99k64 t1.25": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.25"],
-    "csd kl b1 p0.99k64 t2": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "2"],
-    # The best arm reading a store of only the entries CSD turns into events (`--keep csd-events`).
-    "csd kl b1 events128 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 events72 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 events68 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.004 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.0035 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.003 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.0035 t1.5 w0.75": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
-                                      "1.5", "--kd-weight", "0.75"],
-    "csd kl b1 min0.0035 t1.5 w1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
-                                     "1.5", "--kd-weight", "1.5"],
-    "csd kl b1 k255min0.0065 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature",
-                                    "1.5"],
-    "csd kl b1 min0.01s32 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.02s48 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.02s48 t1": ["--loss", "csd", "--divergence", "kl", "--beta", "1"],
-    "csd kl b1 min0.02 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-    "csd kl b1 min0.05s64 t1.5": ["--loss", "csd", "--divergence", "kl", "--beta", "1", "--teacher-temperature", "1.5"],
-}
+ARMS = EXP.arms
 BEST_CSD = "csd kl b1 top128 t1.5"
 CONTROL = BEST_CSD + " shuffled"
-# Per regime: the published default of each baseline plus one value of its main knob (uld w5, gold w5 and strict
-# top4 were the worst of their method in the 20-step smoke run and are left to `--arms`); CT-OPD's KD-only arms
-# (`strict`, `strict top16`) were > 1 bit/byte worse than CE with limited data, so only the published `strict` runs
-# with plentiful data (docs/RESULTS.md).
-_COMMON_ARMS = ["ce", BEST_CSD, "csd_1to1 kl top128 t1.5", CONTROL, "uld w1.5", "uld w0.5", "gold", "gold m0.9",
-                "strict", "strict top16 r0.5"]
-COMPARISON_ARMS = {"data-limited": [*_COMMON_ARMS, "strict top16"], "data-rich": _COMMON_ARMS}
-COMPARISON_SEEDS = (1, 2)  # after seed 0: for CE, the CSD arms, the control and each baseline's best arm
-# The arms that read a mass-adaptive store (`teacher-logits --top-p`) instead of the top-128, and its flags.
-TOP_P_STORES = {"csd kl b1 p0.99 t1.5": ["--top-k", "128", "--top-p", "0.99"],
-                "csd kl b1 p0.90 t1.5": ["--top-k", "128", "--top-p", "0.90"],
-                "csd kl b1 p0.99k64 t1.5": ["--top-k", "64", "--top-p", "0.99"],
-                "csd kl b1 p0.99k64 t1.25": ["--top-k", "64", "--top-p", "0.99"],
-                "csd kl b1 p0.99k64 t2": ["--top-k", "64", "--top-p", "0.99"],
-                "csd kl b1 events128 t1.5": ["--top-k", "128", "--keep", "csd-events"],
-                "csd kl b1 events72 t1.5": ["--top-k", "72", "--keep", "csd-events"],
-                "csd kl b1 events68 t1.5": ["--top-k", "68", "--keep", "csd-events"],
-                "csd kl b1 min0.004 t1.5": ["--top-k", "128", "--min-p", "0.004", "--keep", "csd-events"],
-                "csd kl b1 min0.0035 t1.5": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
-                "csd kl b1 min0.003 t1.5": ["--top-k", "128", "--min-p", "0.003", "--keep", "csd-events"],
-                "csd kl b1 min0.0035 t1.5 w0.75": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
-                "csd kl b1 min0.0035 t1.5 w1.5": ["--top-k", "128", "--min-p", "0.0035", "--keep", "csd-events"],
-                "csd kl b1 k255min0.0065 t1.5": ["--top-k", "255", "--min-p", "0.0065", "--keep", "csd-events"],
-                "csd kl b1 min0.01s32 t1.5": ["--top-k", "128", "--min-p", "0.01", "--tail-samples", "32", "--keep",
-                                              "csd-events"],
-                "csd kl b1 min0.02s48 t1.5": ["--top-k", "128", "--min-p", "0.02", "--tail-samples", "48", "--keep",
-                                              "csd-events"],
-                "csd kl b1 min0.02s48 t1": ["--top-k", "128", "--min-p", "0.02", "--tail-samples", "48", "--keep",
-                                            "csd-events"],
-                "csd kl b1 min0.02 t1.5": ["--top-k", "128", "--min-p", "0.02", "--keep", "csd-events"],
-                "csd kl b1 min0.05s64 t1.5": ["--top-k", "128", "--min-p", "0.05", "--tail-samples", "64", "--keep",
-                                              "csd-events"]}
+DEFAULT_ARMS = EXP.extra["default_arms"]
+COMPARISON_ARMS = EXP.extra["comparison_arms"]  # per regime (why these: recipes/experiments.yaml, docs/RESULTS.md)
+COMPARISON_SEEDS = tuple(EXP.extra["comparison_seeds"])  # after seed 0: CE, the CSD arms, the control, best baselines
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
-DEFAULT_ARMS = ["ce", "csd jsd b5", "csd jsd b1", "csd kl b5", "csd kl b5 top8",
-                "csd_1to1 kl top128 t1.5", "csd kl b1 top128 t1.5"]
 EVAL_POINTS = 5  # held-out evaluations per run, the last at the final step
-TRAIN_ARGS = ["--seq-len", str(WINDOW), "--batch-size", "2", "--lr", "3e-3", "--save-every", "0",
-              "--workers", "1", "progress=false"]
-
-
-def _env(threads: int | None = None) -> dict:
-    """This checkout's code first, whatever the installed console scripts point at; `threads` caps torch's
-    intra-op threads (parallel runs on a small machine must not oversubscribe its cores)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def run(cmd: list, log: Path, threads: int | None = None) -> None:
-    with log.open("a") as handle:
-        handle.write("$ " + " ".join(map(str, cmd)) + "\n")
-        handle.flush()
-        result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                env=_env(threads))
-    if result.returncode != 0:
-        raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
-
-
-def fresh_run(target: Path, log: Path, threads: int | None) -> Path:
-    """Remove an earlier run at `target` (a fresh measurement, never a resumed one); the log to write: `log`, or
-    with `threads` (runs side by side) the run's own log beside it."""
-    shutil.rmtree(target, ignore_errors=True)
-    if not threads:
-        return log
-    own = target.with_name(target.name + ".log")
-    own.parent.mkdir(parents=True, exist_ok=True)
-    own.unlink(missing_ok=True)
-    return own
-
-
-def _store_name(flags: list) -> str:
-    return "teacher-" + "-".join(str(f).lstrip("-") for f in flags)
 
 
 def prepare(regime: str, out: Path, log: Path, arms: list[str] = ()) -> dict:
-    """Align train + held-out and store the teacher's top-128 once (other arms keep the most likely),
-    and each top-p store one of `arms` reads."""
+    """Align train + held-out and write each store the chosen `arms` read (the experiment's top-128 at least; arms
+    that read fewer entries keep the most likely, `teacher_top_k`), each once per regime."""
     spec = REGIMES[regime]
     pipeline = BIN / "csd-pipeline"
     dirs = {name: out / regime / name for name in ("aligned", "heldout")}
-    dirs["teacher"] = out / regime / f"teacher{STORED_TOP_K}"
     for name, corpus in (("aligned", spec["train"]), ("heldout", spec["heldout"])):
         run([pipeline, "align", "--corpus", corpus, "--student-tokenizer", "llama-spm", "--teacher-tokenizer", "smollm2",
              "--output", dirs[name], "--max-student-tokens", WINDOW, "--max-teacher-tokens", WINDOW, "--quiet"], log)
-    run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct",
-         "--top-k", str(STORED_TOP_K), "--output", dirs["teacher"], "--quiet"], log)
-    for flags in {tuple(TOP_P_STORES[a]) for a in arms if a in TOP_P_STORES}:
-        dirs[_store_name(list(flags))] = out / regime / _store_name(list(flags))
-        run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct", *flags,
-             "--output", dirs[_store_name(list(flags))], "--quiet"], log)
+    for store in dict.fromkeys([EXP.store, *(EXP.store_of(ARMS[a]) for a in arms)]):
+        dirs[f"store-{store}"] = out / regime / f"teacher-{store}"
+        run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct",
+             *store_flags(store_path(store)), "--output", dirs[f"store-{store}"], "--quiet"], log)
     return dirs
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: int, log: Path,
               threads: int | None = None) -> dict:
     """One training run; with `threads` (runs side by side) its output goes to its own log beside the run."""
-    teacher = dirs[_store_name(TOP_P_STORES[arm])] if arm in TOP_P_STORES else dirs["teacher"]
+    teacher = dirs[f"store-{EXP.store_of(ARMS[arm])}"]
     target = out / regime / "runs" / f"{arm.replace(' ', '_')}-seed{seed}"
     log = fresh_run(target, log, threads)
     started = time.perf_counter()
-    run([BIN / "csd-train", "--aligned", dirs["aligned"], "--teacher-logits", teacher,
+    run([BIN / "csd-train", *train_config_args(EXP, ARMS[arm]), "--aligned", dirs["aligned"], "--teacher-logits", teacher,
          "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"], "--eval-every", max(steps // EVAL_POINTS, 1),
-         "--warmup-steps", min(WARMUP_STEPS, steps // 4), *TRAIN_ARGS, *ARMS[arm]], log, threads)
-    evals = _read_jsonl(target / "eval.jsonl")
+         "--warmup-steps", min(WARMUP_STEPS, steps // 4)], log, threads)
+    evals = read_jsonl(target / "eval.jsonl")
     final = [e for e in evals if e.get("step") == steps] or evals
-    tail = _read_jsonl(target / "metrics.jsonl")[-10:]
+    tail = read_jsonl(target / "metrics.jsonl")[-10:]
     record = {"regime": regime, "arm": arm, "seed": seed, "steps": steps, "bits_per_byte": final[-1]["bits_per_byte"],
-              "seconds": time.perf_counter() - started, "args": ARMS[arm], "threads": threads,
+              "seconds": time.perf_counter() - started, "args": arm_flags(EXP, ARMS[arm]), "threads": threads,
               "curve": [[e["step"], e["bits_per_byte"]] for e in evals]}
     for key in ("teacher_event_mass", "student_rest_mass", "events_per_chunk", "ce", "kd", "grad_norm", "step_time_s"):
         values = [float(m[key]) for m in tail if m.get(key) is not None]
@@ -245,12 +121,8 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
 
 
 def teacher_score(dirs: dict, log: Path) -> float:
-    out = subprocess.run([str(BIN / "csd-pipeline"), "bits-per-byte", "--aligned", str(dirs["heldout"]), "--model",
-                          "smollm2-135m-instruct", "--side", "teacher0", "--seq-len", str(WINDOW), "--json"],
-                         cwd=ROOT, capture_output=True, text=True, env=_env())
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr)
-    return json.loads(out.stdout)["bits_per_byte"]
+    """The teacher's held-out bits per byte (`csd-pipeline bits-per-byte`, as for every other model)."""
+    return bits_per_byte(dirs["heldout"], "smollm2-135m-instruct", "teacher0")
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -339,23 +211,6 @@ def comparison_finalists(rows: list[dict]) -> list[str]:
     return finals
 
 
-def side_by_side(plan: list, jobs: int, train) -> Iterator[dict]:
-    """Yield each (arm, seed) run's record, `train(arm=, seed=, threads=)`, as it finishes; `jobs` > 1 runs that many
-    side by side, each with cores // jobs torch threads (two runs that each take every core are ~10x slower on
-    2 cores), `threads` None for one run at a time."""
-    if jobs <= 1:
-        for arm, seed in plan:
-            yield train(arm=arm, seed=seed, threads=None)
-        return
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(train, arm=arm, seed=seed, threads=threads) for arm, seed in plan]
-        for future in as_completed(futures):
-            yield future.result()
-
-
 def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: Path,
                    arms: list[str] | None = None, seeds: list[int] | None = None, jobs: int = 1) -> None:
     """Every COMPARISON_ARMS arm with seed 0, then the finalists with COMPARISON_SEEDS, per regime.
@@ -375,6 +230,7 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
             train = partial(train_arm, regime, dirs=dirs, out=out, steps=steps, log=log)
             for record in side_by_side(plan, jobs, train):
                 rows.append(record)
+                write_run(path.stem, record, path.parent)
                 _save(results + rows, teachers, path, not subset)
                 print(f"[comparison] {regime:<13} {record['arm']:<{ARM_WIDTH}} seed {record['seed']}: "
                       f"{record['bits_per_byte']:.4f} bits/byte ({record['seconds']:.0f} s)", flush=True)
@@ -409,13 +265,6 @@ def print_comparison(results: list[dict], teachers: dict) -> None:
                   f"{versus[0]} | {versus[1]} | {step_s} |")
 
 
-def _parse_seeds(parser: argparse.ArgumentParser, text: str) -> list[int]:
-    try:
-        return [int(seed) for seed in text.split(",")]
-    except ValueError:
-        parser.error(f"--seeds: {text!r} is not a comma-separated list of integers, e.g. --seeds 0,1,2")
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/bench-quality")
@@ -435,10 +284,11 @@ def main(argv: list[str]) -> int:
     results_dir = ROOT / "bench-results"
     results_dir.mkdir(exist_ok=True)
     if args.comparison:
-        arms = [a.strip() for a in args.arms.split(",")] if args.arms else None
-        if arms and [a for a in arms if a not in ARMS]:
-            parser.error(f"--arms: unknown arm(s) {[a for a in arms if a not in ARMS]}; choose from {sorted(ARMS)}")
-        seeds = _parse_seeds(parser, args.seeds) if args.seeds else None
+        try:
+            arms = pick_arms(EXP, args.arms) if args.arms else None
+            seeds = pick_seeds(args.seeds, ()) or None
+        except CsdError as err:
+            parser.error(str(err))
         path = results_dir / ("comparison-quick.json" if args.quick else "comparison.json")
         started = time.perf_counter()
         if args.jobs < 1:
@@ -450,11 +300,11 @@ def main(argv: list[str]) -> int:
         return 0
     name = "quality-quick" if args.quick else "quality"  # a smoke run never mixes with measurements
     summary_path, plot_path = results_dir / f"{name}.json", results_dir / f"{name}.png"
-    arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(DEFAULT_ARMS)
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        parser.error(f"--arms: unknown arm(s) {unknown}; choose from {sorted(ARMS)}")
-    seeds = _parse_seeds(parser, args.seeds) if args.seeds else [0]
+    try:
+        arms = pick_arms(EXP, args.arms, DEFAULT_ARMS)
+        seeds = pick_seeds(args.seeds, EXP.seeds)
+    except CsdError as err:
+        parser.error(str(err))
     full = not args.arms and not args.seeds
     started = time.perf_counter()
     results, teachers = [], {}
@@ -470,6 +320,7 @@ def main(argv: list[str]) -> int:
             arm, seed = plan.pop(0)
             record = train_arm(regime, arm, seed, dirs, out, steps, log)
             rows.append(record)
+            write_run(name, record, summary_path.parent)
             _save(results + rows, teachers, summary_path, full)
             print(f"[quality] {regime:<13} {arm:<{ARM_WIDTH}} seed {seed}: {record['bits_per_byte']:.4f} bits/byte "
                   f"({record['seconds']:.0f} s)", flush=True)
@@ -488,5 +339,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main(sys.argv[1:]))

@@ -7,7 +7,7 @@ deeper ones, short of the last. The default keeps SmolLM2-135M's first 8 and las
 `transformers.AutoModelForCausalLM.from_pretrained` and nothing else (config with the new layer count,
 safetensors weights, the source's tokenizer files and generation config byte for byte).
 
-    python bench/prune_student.py --model smollm2-135m-instruct --keep 0-7,28-29 --output out/smollm2-pruned
+    python -m bench.experiments.prune_student --model smollm2-135m-instruct --keep 0-7,28-29 --output out/smollm2-pruned
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ of an aligned corpus with its teacher top-k, this measures per divergence (JSD, 
 - the cosine between the two gradients (does KD push where CE already pushes?);
 - the teacher mass on explicit events and the student's REST mass (event coverage).
 
-    python bench/diagnose_kd.py --aligned DIR --teacher-logits DIR --student-config demo/student-config.json
+    python -m bench.experiments.diagnose_kd --aligned DIR --teacher-logits DIR --student-config demo/student-config.json
         --student-tokenizer llama-spm [--student out/.../export] [--batches 4] [--json FILE]
 """
 
@@ -18,8 +18,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _flat_grad(wrapper, loss):
@@ -109,5 +107,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main(sys.argv[1:]))

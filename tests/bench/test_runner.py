@@ -1,0 +1,74 @@
+"""bench/experiments/runner.py: a results file keeps every run but the one repeated; --table prints a file's table."""
+
+from __future__ import annotations
+
+import json
+
+from bench.experiments import prune
+from bench.experiments.runner import main, save_results
+
+
+def test_a_run_replaces_only_the_run_with_its_key(tmp_path):
+    path = tmp_path / "prune.json"
+    first = [{"arm": "ce", "seed": 0, "bits_per_byte": 2.5}, {"arm": "ce", "seed": 1, "bits_per_byte": 2.4}]
+    save_results(path, first, {"before": 6.0}, ("arm", "seed"), {"regime": "prune-and-heal"}, indent=1)
+    save_results(path, [{"arm": "ce", "seed": 1, "bits_per_byte": 2.3}], {"unpruned": 1.4}, ("arm", "seed"),
+                 {"regime": "prune-and-heal"}, indent=1)
+    written = json.loads(path.read_text())
+    assert written["regime"] == "prune-and-heal"
+    assert written["reference_bits_per_byte"] == {"before": 6.0, "unpruned": 1.4}
+    assert [(r["seed"], r["bits_per_byte"]) for r in written["results"]] == [(0, 2.5), (1, 2.3)]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_table_of_a_results_file(capsys):
+    from bench.experiments.results import RESULTS_DIR
+
+    assert main(prune.BENCH, ["--table", str(RESULTS_DIR / "prune.json")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].startswith("prune and heal: held-out bits per byte")
+    assert "ce                     2    2.3118" in printed and "kd smollm2 dynamic     1    2.2696" in printed
+
+
+def test_each_run_is_also_a_file_of_its_own(tmp_path):
+    from bench.experiments.runner import write_run
+
+    record = {"regime": "repeated", "arm": "csd kl b1 t1.5 fixed0.5", "seed": 2, "bits_per_byte": {"de": 1.8}}
+    path = write_run("pretrained", record, tmp_path)
+    assert path == tmp_path / "runs" / "pretrained" / "repeated" / "csd_kl_b1_t1.5_fixed0.5-seed2.json"
+    assert json.loads(path.read_text()) == record
+    no_regime = write_run("prune", {"arm": "ce", "seed": 0, "bits_per_byte": 2.3}, tmp_path)
+    assert no_regime == tmp_path / "runs" / "prune" / "ce-seed0.json"
+
+
+def test_quality_writes_each_store_once_and_trains_each_arm_as_before(tmp_path, monkeypatch):
+    """quality.py's commands, captured instead of run: one teacher-logits per store the arms read, and a csd-train
+    command that resolves to the TrainConfig of the old flag lists (tests/bench/old_recipe_flags.json)."""
+    from pathlib import Path
+
+    from bench.experiments import quality
+    from trainer.options import parse_args
+
+    commands = []
+
+    def run(cmd, log, threads=None):
+        cmd = [str(c) for c in cmd]
+        commands.append(cmd)
+        if "--steps" in cmd:  # a training run: what train_arm reads afterwards
+            out = Path(cmd[cmd.index("--output") + 1])
+            out.mkdir(parents=True)
+            (out / "eval.jsonl").write_text('{"step": 20, "bits_per_byte": 3.0}\n')
+            (out / "metrics.jsonl").write_text('{"step": 20, "ce": 2.0}\n')
+
+    monkeypatch.setattr(quality, "run", run)
+    arms = ["ce", "csd kl b1 p0.99 t1.5", "csd kl b1 p0.99k64 t2", "csd kl b1 p0.99k64 t1.5"]
+    dirs = quality.prepare("data-limited", tmp_path, tmp_path / "log", arms)
+    stores = [c[c.index("smollm2-135m-instruct") + 1:c.index("--output")] for c in commands if "teacher-logits" in c]
+    assert stores == [["--top-k", "128"], ["--top-k", "128", "--top-p", "0.99"], ["--top-k", "64", "--top-p", "0.99"]]
+    old = json.loads((Path(__file__).parent / "old_recipe_flags.json").read_text())["quality"]
+    record = quality.train_arm("data-limited", "csd kl b1 p0.99k64 t2", 1, dirs, tmp_path, 20, tmp_path / "log")
+    train = commands[-1]
+    assert train[train.index("--teacher-logits") + 1] == str(tmp_path / "data-limited" / "teacher-p0.99k64")
+    before = [*train[train.index("--aligned"):], *old["train"], *old["arms"]["csd kl b1 p0.99k64 t2"]]
+    assert parse_args(train[1:]) == parse_args(before)
+    assert record["bits_per_byte"] == 3.0 and record["args"][-2:] == ["--teacher-temperature", "2"]

@@ -1,0 +1,49 @@
+"""The generated tables of docs/RESULTS.md are what `python -m bench.experiments.results` makes of docs/results/*.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bench.experiments import results
+
+
+def test_every_generated_table_agrees_with_its_json():
+    text = results.RESULTS_MD.read_text(encoding="utf-8")
+    assert results.stale(text, results.blocks()) == [], "run `python -m bench.experiments.results`"
+    assert results.main(["--check"]) == 0
+    assert text.index("<!-- results current:") < text.index("## The demo"), "RESULTS.md opens with the current results"
+
+
+def test_a_changed_json_or_a_hand_edited_table_is_caught(tmp_path):
+    text = results.RESULTS_MD.read_text(encoding="utf-8")
+    folder = tmp_path / "results"
+    shutil.copytree(results.RESULTS_DIR, folder)
+    prune = json.loads((folder / "prune.json").read_text(encoding="utf-8"))
+    ce = next(r for r in prune["results"] if r["arm"] == "ce")
+    ce["bits_per_byte"] += 0.01
+    (folder / "prune.json").write_text(json.dumps(prune), encoding="utf-8")
+    assert results.stale(text, results.blocks(folder)) == ["current", "prune"]
+    begin = text.index("<!-- results pretrained:")
+    edited = text[:begin] + text[begin:].replace("1.5432", "1.5431", 1)
+    assert results.stale(edited, results.blocks()) == ["pretrained"]
+    with pytest.raises(ValueError, match="markers of block 'diagnosis'"):
+        results.with_blocks(text.replace("<!-- end of results diagnosis -->", ""), results.blocks())
+
+
+def test_the_summary_row_is_the_mean_over_seeds_of_the_json():
+    """CE and the best arm of `repeated`, recomputed here from pretrained.json: the mean over seeds of each run's
+    mean over the five non-English languages."""
+    merged = json.loads((results.RESULTS_DIR / "pretrained.json").read_text(encoding="utf-8"))
+    languages = ("de", "fr", "es", "ja", "zh-cn")
+    means: dict[str, list[float]] = {}
+    for run in merged["results"]:
+        if run["regime"] == "repeated":
+            means.setdefault(run["arm"], []).append(sum(run["bits_per_byte"][lang] for lang in languages) / 5)
+    mean = {arm: sum(v) / len(v) for arm, v in means.items()}
+    best = min((arm for arm in mean if arm != "ce"), key=mean.get)
+    row = next(line for line in results.blocks()["current"].splitlines() if "bench-pretrained" in line)
+    assert f"| {mean['ce']:.4f} | `{best}` | {mean[best]:.4f} | {100 * (mean[best] / mean['ce'] - 1):+.2f}% |" in row
+    assert (best, round(mean[best], 4), round(mean["ce"], 4)) == ("csd kl b1 t1.5 fixed0.5", 1.5432, 1.5834)
