@@ -63,7 +63,7 @@ tables: fixtures
 	$(VENV)/bin/csd-pipeline tables build-both --student-tokenizer $(STUDENT) --teacher-tokenizer $(TEACHER) --output-dir $(TABLES_DIR)
 
 demo: fixtures
-	$(PY) demo/run.py
+	$(PY) -m demo.run
 
 # BENCH_CORPUS: a folder with the full corpus files (python-docs.txt, ...); default: the slices in tests/data.
 BENCH_CORPUS ?=
@@ -88,10 +88,10 @@ bench-prune: fixtures
 bench-teachers: fixtures
 	$(PY) -m bench.experiments.teachers --jobs 2
 
-# SOAK_ARGS: e.g. --kills 30 --seed 0, --recipe demo, --engine ray --storage s3, --kills 0 --resume-repeats 50 (bench/soak.py --help)
+# SOAK_ARGS: e.g. --kills 30 --seed 0, --recipe demo, --engine ray --storage s3, --kills 0 --resume-repeats 50 (python -m bench.soak --help)
 SOAK_ARGS ?=
 soak: fixtures
-	OMP_NUM_THREADS=1 $(PY) bench/soak.py $(SOAK_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.soak $(SOAK_ARGS)
 
 # on the first CUDA device (a few minutes); without one it says "no CUDA device" and exits 0
 gpu-check: fixtures

@@ -15,7 +15,7 @@ interleaved pairs (local, ray, local, ray, ...; `--pairs`, 3) and the ratio is t
 and spread are reported. Each run's time is split into phases from the driver's shard lines: start-up
 (workers or actors up, tokenizers or model loaded, first shard written), the other shards, and the end
 (stats, manifest, workers stopped). Checks: median ray / local <= 1.10 per stage, and the two engines'
-outputs byte-identical. `python bench/bench_engines.py [--quick] [--stage S] [--json PATH]` runs it alone.
+outputs byte-identical. `python -m bench.bench_engines [--quick] [--stage S] [--json PATH]` runs it alone.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 SLICE = ROOT / "tests" / "data" / "python-docs-slice.txt"
 TEACHER = "smollm2-135m-instruct"

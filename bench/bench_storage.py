@@ -13,7 +13,7 @@ ratios to local disk are taken per round; their median and spread are reported. 
 cache, median, within 10% of local disk. Not covered: a real cloud's latency and bandwidth (the server is
 on this machine).
 
-`python bench/bench_storage.py [--quick] [--rounds N] [--json PATH]` prints the table; `bench/run_all.py storage` runs it in the suite.
+`python -m bench.bench_storage [--quick] [--rounds N] [--json PATH]` prints the table; `bench/run_all.py storage` runs it in the suite.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 STEPS, QUICK_STEPS = 40, 12
 ROUNDS = 3

@@ -1,8 +1,8 @@
 """Chaos soak: the demo's four stages and two on-policy rounds, killed with `kill -9` again and again.
 
-    python bench/soak.py [--kills 30] [--seed 0] [--out out/soak] [--recipe small|demo]
-    python bench/soak.py --kills 0 --resume-repeats 50      # only the worker-process resume, repeated
-    python bench/soak.py --kills 8 --engine ray --storage s3  # stages on a local Ray, outputs in S3 (moto)
+    python -m bench.soak [--kills 30] [--seed 0] [--out out/soak] [--recipe small|demo]
+    python -m bench.soak --kills 0 --resume-repeats 50      # only the worker-process resume, repeated
+    python -m bench.soak --kills 8 --engine ray --storage s3  # stages on a local Ray, outputs in S3 (moto)
 
 First the recipe (bench/soak_recipe.py) runs once uninterrupted; its outputs become OUT/reference.
 Then the same commands run again in the same folder (OUT/run) while the soak kills the running command
@@ -48,11 +48,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-
-from soak_recipe import ROOT, Command, recipe  # noqa: E402
-from soak_state import compare, describe, leftovers, progress_seen  # noqa: E402
+from bench.soak_recipe import ROOT, Command, recipe
+from bench.soak_state import compare, describe, leftovers, progress_seen
 
 TRIGGERS = {"tables": ("time", "shard"), "stage": ("time", "shard", "hook"),
             "train": ("time", "checkpoint", "hook"), "rounds": ("time", "shard", "checkpoint", "hook")}
@@ -404,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     if options.kills > 0:
         result.update(run_soak(options, out))
     if options.resume_repeats > 0:
-        from soak_resume import repeat_resume
+        from bench.soak_resume import repeat_resume
 
         result["resume_repeats"] = repeat_resume(options.resume_repeats, out / "resume", options.attempt_timeout)
     out.mkdir(parents=True, exist_ok=True)
@@ -419,7 +416,7 @@ def run_soak(options, out: Path) -> dict:
     for folder in (work, reference):
         shutil.rmtree(folder, ignore_errors=True)
     work.mkdir(parents=True)
-    from soak_backends import backends
+    from bench.soak_backends import backends
 
     with open(out / "soak.log", "w", encoding="utf-8") as log_file, \
             backends(options.engine, options.storage, out) as started_backends:

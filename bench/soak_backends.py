@@ -16,7 +16,6 @@ where the object-store writers stage a file before its upload) is OUT/tmp, check
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +69,6 @@ def backends(engine: str, storage: str, out: Path):
     saved = dict(os.environ)
     try:
         if storage == "s3":
-            sys.path.insert(0, str(root))
             from tests.s3_cases import start_moto
 
             server, endpoint = start_moto()
@@ -87,7 +85,8 @@ def backends(engine: str, storage: str, out: Path):
         if engine == "ray":
             os.environ.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
             import ray
-            from bench_engines import start_local_ray
+
+            from bench.bench_engines import start_local_ray
 
             start_local_ray(num_cpus=2)
             started.ray_address = ray.get_runtime_context().gcs_address

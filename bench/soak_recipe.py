@@ -61,7 +61,6 @@ def recipe(options, work: Path, store=None, engine_args: tuple = ()) -> list[Com
     """The soak's commands, writing under `work`; the outputs of align, teacher-logits and csd-train under
     `store` (default `work`; an object-store path with `--storage s3`, and then no rounds), and align and
     teacher-logits on the engine of `engine_args` (bench/soak_backends.py)."""
-    sys.path.insert(0, str(ROOT))
     from demo.run import CSD_ARGS, STORE_ARGS, TOP_K
 
     demo = options.recipe == "demo"

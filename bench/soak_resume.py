@@ -8,7 +8,7 @@ ones' objects to the garbage collector, as a test session does, so a forked work
 repetition that prints nothing for `timeout` seconds is a hang: the driver records every process of the
 run with its state and kernel wait channel, ends them, and goes on with a fresh process.
 
-    python bench/soak_resume.py --repeats 50 --folder out/soak/resume    # the repeating process itself
+    python -m bench.soak_resume --repeats 50 --folder out/soak/resume    # the repeating process itself
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ def _process_report(pid: int) -> str:
 
 def repeat_resume(repeats: int, folder: Path, timeout: float) -> dict:
     """Run `repeats` repetitions (restarting the repeating process after a hang); return the counts."""
-    from soak import session_processes
+    from bench.soak import session_processes
 
     folder.mkdir(parents=True, exist_ok=True)
     done, hangs, mismatches, seconds = 0, [], 0, []
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", CSD_PROGRESS="0")
     while done < repeats:
-        process = subprocess.Popen([sys.executable, __file__, "--repeats", str(repeats - done), "--folder",
+        process = subprocess.Popen([sys.executable, "-m", "bench.soak_resume", "--repeats", str(repeats - done), "--folder",
                                     str(folder)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
                                    start_new_session=True)
         last = time.monotonic()
@@ -83,7 +83,6 @@ def repeat_resume(repeats: int, folder: Path, timeout: float) -> dict:
 def _repeat(repeats: int, folder: Path) -> None:
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from tests.trainer_cases import kd_run_args, make_teacher_topk, make_trainer_data, metrics
     from trainer.loop import train
     from trainer.options import parse_args

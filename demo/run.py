@@ -9,7 +9,7 @@ next to the teacher, and on the project's lm-evaluation-harness tasks `csd_next_
 `csd-pipeline evaluate`).
 Every command is printed before it runs so it can be copied.
 
-    python demo/run.py [--out out/demo] [--steps N] [--fresh]
+    python -m demo.run [--out out/demo] [--steps N] [--fresh]
 """
 
 from __future__ import annotations
@@ -175,6 +175,5 @@ def chunk_shapes(align_info: dict) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.exit(main(sys.argv[1:]))

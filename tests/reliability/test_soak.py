@@ -1,6 +1,6 @@
 """The chaos soak, short: eight kill -9s over the four stages (issue 35, item 1).
 
-`bench/soak.py --no-rounds --no-heldout` with tiny models (a random 2-layer teacher with the SmolLM2
+`python -m bench.soak --no-rounds --no-heldout` with tiny models (a random 2-layer teacher with the SmolLM2
 tokenizer, a 2-layer student), three documents and six steps; every process start costs a few seconds of
 imports, so the rounds and the held-out set are left to `make soak`. Besides the soak's own verdict, the
 test compares the two runs itself: each shard's sha256 as the manifests record it, and the losses of
@@ -35,7 +35,7 @@ def test_eight_kills_over_the_four_stages_leave_the_same_outputs(tiny_teacher, t
     config.write_text(json.dumps(STUDENT_CONFIG))
     out = tmp_path / "soak"
     result = subprocess.run(
-        [sys.executable, "bench/soak.py", "--kills", "8", "--seed", "1", "--out", str(out), "--docs", "3",
+        [sys.executable, "-m", "bench.soak", "--kills", "8", "--seed", "1", "--out", str(out), "--docs", "3",
          "--no-heldout", "--no-rounds", "--steps", "6", "--save-every", "2", "--shard-kb", "2", "--teacher",
          str(tiny_teacher), "--student-config", str(config), "--orphan-bound", "20"],
         cwd=REPO, capture_output=True, text=True, timeout=1800)

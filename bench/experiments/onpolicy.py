@@ -1,6 +1,6 @@
 """On-policy rounds vs off-policy training on reference continuations, at equal steps.
 
-    python bench/bench_onpolicy.py [--out out/bench-onpolicy] [--base STUDENT] [--base-steps 480]
+    python -m bench.experiments.onpolicy [--out out/bench-onpolicy] [--base STUDENT] [--base-steps 480]
                                    [--rounds 2] [--steps 100] [--prompts 64] [--max-new-tokens 48]
                                    [--seeds 0,1,2] [--results bench-results/onpolicy.json]
 
@@ -44,8 +44,16 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-from onpolicy_settings import DEMO, SETTINGS, WINDOW, multilingual_base, multilingual_heldout, multilingual_prompts, units
+from bench.experiments.onpolicy_settings import (
+    DEMO,
+    ROOT,
+    SETTINGS,
+    WINDOW,
+    multilingual_base,
+    multilingual_heldout,
+    multilingual_prompts,
+    units,
+)
 
 TRAIN_ARGS_ROUNDS = ["--batch-size", "2", "--workers", "1", "--progress", "false"]  # both arms
 EVAL_SEED = 1234  # the held-out samples of every arm and seed
@@ -392,5 +400,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main(sys.argv[1:]))

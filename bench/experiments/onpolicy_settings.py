@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 256
 DEMO_PROMPT_CHARS = 200
 MULTILINGUAL = ROOT / "bench/corpus/multilingual"
