@@ -50,9 +50,10 @@ fixtures: venv
 	$(VENV)/bin/csd-pipeline fixtures
 
 # both tiers in two worker processes, a test file each at a time (pytest-xdist): the budgets are 10 minutes
-# (make test) and 2 minutes (make test-fast) on 2 cores; one process took 619 s for the whole suite
+# (make test) and 2 minutes (make test-fast) on 2 cores; one process took 619 s for the whole suite; the 15
+# slowest tests are listed at the end, to see where the budget goes
 test: fixtures
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 test-fast: fixtures
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
