@@ -115,7 +115,7 @@ def _synthetic_topk(row: dict, rng, vocab: int) -> dict:
             "observed_logprob": observed.astype(np.float32)}
 
 
-def _build_events(positions: int, quick: bool) -> tuple[dict, dict]:
+def build_events(positions: int, quick: bool) -> tuple[dict, dict]:
     import numpy as np
 
     from csd_pipeline.events.batch import ce_targets, collate_events
@@ -318,7 +318,7 @@ def _cut_events(arrays: dict, positions: int):
 def _build_events_main(path: str, positions: int) -> None:
     import numpy as np
 
-    arrays, info = _build_events(positions, quick=False)
+    arrays, info = build_events(positions, quick=False)
     np.savez(path, **arrays)
     print(json.dumps(info))
 

@@ -49,7 +49,7 @@ TOP_K = 32
 BATCH_TOKENS = 8192
 
 
-def _sources(quick: bool, corpus: Path | None) -> dict[str, str]:
+def corpus_sources(quick: bool, corpus: Path | None) -> dict[str, str]:
     """kind -> real text (16,000 characters each, 2,000 in quick mode): `bench/corpus/kinds.jsonl`, or
     the same slices of the full files in `corpus`."""
     size = 2_000 if quick else 16_000
@@ -83,7 +83,7 @@ def _align(tmp: Path, quick: bool, corpus_dir: Path | None) -> tuple[Path, dict[
 
     corpus = tmp / "corpus"
     corpus.mkdir()
-    sources = _sources(quick, corpus_dir)
+    sources = corpus_sources(quick, corpus_dir)
     files = []
     for index, (name, body) in enumerate(sources.items()):
         path = corpus / f"{index}-{name}.txt"
@@ -209,7 +209,7 @@ class _PeakRss:
         self._thread.join()
 
 
-def _measure_shard(runner, clock: ForwardClock, aligned, shard, target: Path, *, reverse: bool, baselines,
+def measure_shard(runner, clock: ForwardClock, aligned, shard, target: Path, *, reverse: bool, baselines,
                    sampler=None, sync=lambda: None) -> tuple[dict, object]:
     """Time the stage on one aligned shard (reading it included) and the forward-only baselines on its
     batches, in alternating order."""
@@ -289,7 +289,7 @@ def run(quick: bool = False, corpus: Path | None = None) -> dict:
         baseline_rss = _PeakRss.rss()
         for index, shard in enumerate(aligned.shards):
             target = out / shard.file
-            times, result = _measure_shard(runner, clock, aligned, shard, target, reverse=index % 2 == 1,
+            times, result = measure_shard(runner, clock, aligned, shard, target, reverse=index % 2 == 1,
                                            baselines=("model_forward", "own_forward"), sampler=sampler)
             for name, seconds in times.items():
                 totals[name] += seconds
@@ -429,7 +429,7 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
     with tempfile.TemporaryDirectory(prefix="bench-teacher-gpu-") as tmp_name:
         tmp = Path(tmp_name)
         corpus_file = tmp / "corpus.txt"
-        sources = _sources(False, corpus)
+        sources = corpus_sources(False, corpus)
         text = "\n\n".join(sources.values())
         corpus_file.write_text(text * max(1, positions // max(1, len(text) // 4)), encoding="utf-8")
         aligned = tmp / "aligned"
@@ -452,7 +452,7 @@ def run_gpu(hidden: int = 2048, layers: int = 16, positions: int = 200_000, voca
         forward_total = stage_total = 0.0
         positions_total = 0
         for index, shard in enumerate(aligned_output.shards):
-            times, result = _measure_shard(runner, clock, aligned_output, shard, out / shard.file, reverse=index % 2 == 1,
+            times, result = measure_shard(runner, clock, aligned_output, shard, out / shard.file, reverse=index % 2 == 1,
                                            baselines=("own_forward",), sync=torch.cuda.synchronize)
             forward_total += times["own_forward"]
             stage_total += times["stage"]

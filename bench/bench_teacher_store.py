@@ -103,14 +103,14 @@ def _align(tmp: Path, quick: bool, teacher_tokenizer: str, chars: int | None, st
            ) -> tuple[Path, list[str]]:
     """The kinds of text aligned as `bench_teacher` aligns them (gpt-2 student unless `student`, 1024-token
     windows, one shard per kind), for `teacher_tokenizer`, each kind cut to `chars` characters when given."""
-    from bench.bench_teacher import WINDOW, _sources
+    from bench.bench_teacher import WINDOW, corpus_sources
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.stage import run_align
 
     corpus = tmp / "corpus"
     corpus.mkdir()
     files = []
-    for index, (name, body) in enumerate(_sources(quick, None).items()):
+    for index, (name, body) in enumerate(corpus_sources(quick, None).items()):
         path = corpus / f"{index}-{name}.txt"
         path.write_text(body if chars is None else body[:chars], encoding="utf-8")
         files.append(str(path))

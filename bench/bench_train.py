@@ -63,7 +63,7 @@ def _prepare(tmp: Path, quick: bool, corpus_dir: Path | None) -> tuple[Path, Pat
     return aligned, teacher, source
 
 
-def _config(aligned: Path, teacher: Path, student: Path, output: Path, batch_size: int, device: str):
+def train_config(aligned: Path, teacher: Path, student: Path, output: Path, batch_size: int, device: str):
     from trainer.options import parse_args
 
     return parse_args(["--aligned", str(aligned), "--teacher-logits", str(teacher), "--student-config", str(student),
@@ -72,7 +72,7 @@ def _config(aligned: Path, teacher: Path, student: Path, output: Path, batch_siz
                        "--warmup-steps", "0"])
 
 
-def _time_steps(config, ctx, n_steps: int) -> dict:
+def time_steps(config, ctx, n_steps: int) -> dict:
     """Interleaved CE-only and CSD steps on the same micro-batches; median seconds of each."""
     import dataclasses
 
@@ -136,16 +136,16 @@ def run(quick: bool = False, corpus: Path | None = None) -> dict:
         student.write_text(json.dumps(CPU_STUDENT))
         ctx = distributed.setup("cpu")
         try:
-            config = _config(aligned, teacher, student, tmp / "out", batch_size=4, device="cpu")
-            steps = _time_steps(config, ctx, n_steps)
+            config = train_config(aligned, teacher, student, tmp / "out", batch_size=4, device="cpu")
+            steps = time_steps(config, ctx, n_steps)
             loader_s = {w: _time_loader(config, w, 2 * n_steps) for w in (0, 2)}
             gpu = {}
             if torch.cuda.is_available():
                 distributed.teardown()
                 ctx = distributed.setup("cuda")
                 student.write_text(json.dumps(GPU_STUDENT))
-                gpu_config = _config(aligned, teacher, student, tmp / "out-gpu", batch_size=16, device="cuda")
-                gpu_steps = _time_steps(gpu_config, ctx, n_steps)
+                gpu_config = train_config(aligned, teacher, student, tmp / "out-gpu", batch_size=16, device="cuda")
+                gpu_steps = time_steps(gpu_config, ctx, n_steps)
                 gpu = {"gpu_csd_tokens_per_s": gpu_steps["tokens_per_step"] / gpu_steps["csd_step_s"],
                        "gpu_csd_over_ce": gpu_steps["csd_step_s"] / gpu_steps["ce_step_s"],
                        "gpu_student_parameters_m": 110}

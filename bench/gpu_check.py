@@ -4,11 +4,11 @@ Without a CUDA device it prints "no CUDA device" and exits 0. With one (the firs
 aligned for the llama-spm student and the SmolLM2 teacher (windows of at most 256 tokens), it measures:
 - the teacher-logits stage with the real SmolLM2-135M-Instruct teacher in bf16 (forward, float32
   log-softmax and top-32, encode, write the Parquet shard) against the same forward with no store
-  writing, shard by shard in alternating order (`bench_teacher._measure_shard`): positions/s of each;
+  writing, shard by shard in alternating order (`bench_teacher.measure_shard`): positions/s of each;
 - the bf16 teacher's top-32 against the float32 teacher's on the same windows: the largest |log-prob
   difference| over the ids both lists hold (and over those the float32 teacher gives p > 1e-3), the
   share of the float32 top-32 that the bf16 one holds, and the largest error of the observed token's log-prob;
-- a CSD optimizer step against a CE step on the same micro-batches (`bench_train._time_steps`: a
+- a CSD optimizer step against a CE step on the same micro-batches (`bench_train.time_steps`: a
   ~110M-parameter Llama student, bf16 parameters, 16 rows of 256 tokens);
 - peak GPU memory of the teacher stage and of training.
 Prints the result as JSON and writes `bench-results/gpu_check.json`. `--dry-run-cpu` runs the same code
@@ -54,7 +54,7 @@ def teacher_speed(aligned_dir: Path, device: str, out: Path) -> dict:
     """Positions/s of the bf16 stage against its forward alone; peak GPU memory."""
     import torch
 
-    from bench.bench_teacher import ForwardClock, _measure_shard
+    from bench.bench_teacher import ForwardClock, measure_shard
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.fixtures.names import model_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
@@ -69,7 +69,7 @@ def teacher_speed(aligned_dir: Path, device: str, out: Path) -> dict:
     clock, totals, positions = ForwardClock(runner), {"own_forward": 0.0, "stage": 0.0}, 0
     out.mkdir(parents=True, exist_ok=True)
     for index, shard in enumerate(aligned.shards):
-        times, result = _measure_shard(runner, clock, aligned, shard, out / shard.file, reverse=index % 2 == 1,
+        times, result = measure_shard(runner, clock, aligned, shard, out / shard.file, reverse=index % 2 == 1,
                                        baselines=("own_forward",), sync=sync)
         totals = {name: totals[name] + times[name] for name in totals}
         positions += result.stats["positions"]
@@ -116,7 +116,7 @@ def train_speed(aligned_dir: Path, device: str, tmp: Path, quick: bool) -> dict:
     """A CSD step against a CE step on the same micro-batches (bf16 student on a GPU); peak GPU memory."""
     import torch
 
-    from bench.bench_train import CPU_STUDENT, GPU_STUDENT, _config, _time_steps
+    from bench.bench_train import CPU_STUDENT, GPU_STUDENT, time_steps, train_config
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
     from trainer import distributed
 
@@ -130,8 +130,8 @@ def train_speed(aligned_dir: Path, device: str, tmp: Path, quick: bool) -> dict:
         if ctx.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        config = _config(aligned_dir, teacher, student, tmp / "run", batch_size=2 if quick else 16, device=device)
-        steps = _time_steps(config, ctx, 2 if quick else 8)
+        config = train_config(aligned_dir, teacher, student, tmp / "run", batch_size=2 if quick else 16, device=device)
+        steps = time_steps(config, ctx, 2 if quick else 8)
         peak = _peak_gib(ctx.device)
     finally:
         distributed.teardown()

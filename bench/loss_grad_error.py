@@ -45,10 +45,10 @@ def gradient_errors(positions: int, hidden_size: int, vocab: int) -> dict:
     import numpy as np
     import torch
 
-    from bench.bench_loss import _build_events
+    from bench.bench_loss import build_events
     from bench.loss_peak_worker import load_events
 
-    arrays, info = _build_events(positions, quick=False)
+    arrays, info = build_events(positions, quick=False)
     tokens = info["tokens"]
     with tempfile.TemporaryDirectory(prefix="loss-grad-error-") as tmp:
         path = str(Path(tmp) / "events.npz")

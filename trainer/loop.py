@@ -240,7 +240,8 @@ def _evaluate(wrapper, config: TrainConfig, ctx, data, step: int, metrics) -> No
             "(docs/TRAINING.md)")
 
 
-def _to_device(micro, device):
+def to_device(micro, device):
+    """One micro-batch's arrays as tensors on `device` (non-blocking copies)."""
     def tensor(array):
         return torch.as_tensor(array).to(device, non_blocking=True)
 
@@ -307,7 +308,7 @@ def _forward_backward(wrapper, micro: list, counts: StepCounts, teacher_weights:
             # per teacher: the LOSS_DIAGNOSTICS sums, then how many micro-steps contributed
             "diagnostics": [0.0] * (n_teachers * (len(LOSS_DIAGNOSTICS) + 1))}
     for batch in micro:
-        out = wrapper(**_to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
+        out = wrapper(**to_device(batch, ctx.device), global_ce_tokens=counts.ce_tokens,
                       global_chunk_counts=wrapper.loss.kd_denominators(counts.chunks), teacher_weights=teacher_weights)
         pieces = [out["ce"].detach().item(), out["kd"].detach().item()]
         pieces += [float(out["metrics"].get(f"teacher{t}/kd", 0.0)) for t in range(n_teachers)]

@@ -36,7 +36,7 @@ def diagnose(args) -> dict:
 
     from trainer.config import TrainConfig
     from trainer.data import TrainingData
-    from trainer.loop import _to_device, kd_scale
+    from trainer.loop import kd_scale, to_device
     from trainer.model import StudentWithLoss, build_student
 
     config = TrainConfig.from_options(dict(
@@ -53,7 +53,7 @@ def diagnose(args) -> dict:
     rows: dict = {}
     for _ in range(args.batches):
         batch = next(loader)
-        inputs = _to_device(batch, device)
+        inputs = to_device(batch, device)
         tokens = int(len(batch.ce_positions))
         chunks = [sum(batch.shape_counts[0])]
         for divergence in ("jsd", "kl"):

@@ -88,7 +88,7 @@ class ChatSide:
                        for i, t in bundle.tokenizer.get_added_tokens_decoder().items() if t.special}
         names = sorted(self._added, key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
-        self._tokenizer = _prefix_free_tokenizer(bundle)
+        self._tokenizer = prefix_free_tokenizer(bundle)
         self.variables = {name: _token_text(bundle.config.get(name))
                           for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.variables = {k: v for k, v in self.variables.items() if v is not None}
@@ -321,7 +321,7 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _prefix_free_tokenizer(bundle):
+def prefix_free_tokenizer(bundle):
     """The bundle's tokenizer without a dummy prefix (a rendered chat is cut into pieces; only the text
     of the whole document would get one) and with special-token parsing off."""
     if not bundle.vocab.dummy_prefix and '"add_prefix_space": true' not in bundle.raw_json.replace('":true', '": true'):

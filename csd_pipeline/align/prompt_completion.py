@@ -116,6 +116,6 @@ def _natural_boundary(vocab, ids: list[int], text: str, prompt_bytes: int) -> bo
 
 
 def _prefix_free(bundle):
-    from csd_pipeline.align.chat_render import _prefix_free_tokenizer
+    from csd_pipeline.align.chat_render import prefix_free_tokenizer
 
-    return _prefix_free_tokenizer(bundle)
+    return prefix_free_tokenizer(bundle)

@@ -80,11 +80,11 @@ class ChainEncoderProcess:
 
 def _main(argv: list[str]) -> int:
     from csd_pipeline.errors import CsdError
-    from csd_pipeline.vocab.tokenizer_files import _tokenizer_in_thread, read_json_text
+    from csd_pipeline.vocab.tokenizer_files import read_json_text, tokenizer_in_thread
 
     tokenizer_file, name = argv[0], argv[1]
     try:
-        thread, outcome = _tokenizer_in_thread(read_json_text(Path(tokenizer_file)), name)
+        thread, outcome = tokenizer_in_thread(read_json_text(Path(tokenizer_file)), name)
         texts = json.loads(sys.stdin.buffer.read())  # arrives while the tokenizer is built
         thread.join()
         if isinstance(outcome[0], Exception):

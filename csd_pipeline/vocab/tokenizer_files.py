@@ -24,7 +24,7 @@ class TokenizerSource:
     file: Path
     config: dict
     raw_json: str
-    building: tuple | None = None  # (thread, outcome) of `_tokenizer_in_thread`, when begun
+    building: tuple | None = None  # (thread, outcome) of `tokenizer_in_thread`, when begun
 
 
 def open_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer: bool = False) -> TokenizerSource:
@@ -59,7 +59,7 @@ def open_tokenizer(arg: str, *, trust_remote_code: bool = False, start_tokenizer
         raw = read_json_text(tokenizer_file)
     except (OSError, UnicodeDecodeError) as err:
         raise CsdError(f"tokenizer {arg}: cannot read {tokenizer_file} ({err.__class__.__name__}); check the file") from None
-    building = _tokenizer_in_thread(raw, str(arg)) if start_tokenizer else None
+    building = tokenizer_in_thread(raw, str(arg)) if start_tokenizer else None
     return TokenizerSource(str(arg), tokenizer_file, config, raw, building)
 
 
@@ -92,7 +92,7 @@ def parse_tokenizer_json(raw: str) -> dict:
     return json.loads(raw)
 
 
-def _tokenizer_in_thread(raw_json: str, name: str):
+def tokenizer_in_thread(raw_json: str, name: str):
     """(thread, outcome): a thread building the tokenizer of `raw_json`; `outcome` then holds the
     tokenizer or the error. `Tokenizer.from_str` (a third of a second at 150k ids, 1.2 s at 262k)
     holds the GIL in tokenizers 0.23, so other threads wait for it unless they are in file reads
@@ -103,7 +103,7 @@ def _tokenizer_in_thread(raw_json: str, name: str):
 
     def build():
         try:
-            outcome.append(_tokenizer_from_json(raw_json, name))
+            outcome.append(tokenizer_from_json(raw_json, name))
         except Exception as err:  # raised in the thread that asks for the tokenizer
             outcome.append(err)
 
@@ -112,7 +112,7 @@ def _tokenizer_in_thread(raw_json: str, name: str):
     return thread, outcome
 
 
-def _tokenizer_from_json(raw_json: str, name: str):
+def tokenizer_from_json(raw_json: str, name: str):
     from tokenizers import Tokenizer
 
     try:

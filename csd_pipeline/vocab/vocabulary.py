@@ -27,11 +27,11 @@ from csd_pipeline.vocab.families import (
 )
 from csd_pipeline.vocab.tokenizer_files import (  # noqa: F401  (read_json_text, parse_tokenizer_json: part of this module's API)
     TokenizerSource,
-    _tokenizer_from_json,
-    _tokenizer_in_thread,
     open_tokenizer,
     parse_tokenizer_json,
     read_json_text,
+    tokenizer_from_json,
+    tokenizer_in_thread,
 )
 
 
@@ -136,7 +136,7 @@ class TokenizerBundle:
 
     The `tokenizers.Tokenizer` itself is built on first use: reading the vocabulary needs only
     the JSON, which keeps table validation and manifest checks fast. `start_tokenizer` builds it
-    in a background thread instead (`tokenizer_files._tokenizer_in_thread`).
+    in a background thread instead (`tokenizer_files.tokenizer_in_thread`).
     """
 
     def __init__(self, raw_json: str, vocab: Vocabulary, config: dict, source: str):
@@ -150,7 +150,7 @@ class TokenizerBundle:
     def start_tokenizer(self) -> None:
         """Start building the `tokenizers.Tokenizer` in a thread; `tokenizer` then waits for it."""
         if self._tokenizer is None and self._building is None:
-            self._building = _tokenizer_in_thread(self.raw_json, self.source)
+            self._building = tokenizer_in_thread(self.raw_json, self.source)
 
     @property
     def tokenizer(self):
@@ -162,7 +162,7 @@ class TokenizerBundle:
                 raise building[1][0]
             self._tokenizer, self._building = building[1][0], None
         if self._tokenizer is None:
-            self._tokenizer = _tokenizer_from_json(self.raw_json, self.source)
+            self._tokenizer = tokenizer_from_json(self.raw_json, self.source)
         return self._tokenizer
 
     def encode_spans(self, texts: list[str]) -> list[EncodedText]:
