@@ -3,6 +3,7 @@
     python -m bench.experiments.onpolicy [--out out/bench-onpolicy] [--base STUDENT] [--base-steps 480]
                                    [--rounds 2] [--steps 100] [--prompts 64] [--max-new-tokens 48]
                                    [--seeds 0,1,2] [--results bench-results/onpolicy.json]
+    python -m bench.experiments.onpolicy --table docs/results/onpolicy-multilingual.json
 
 Start: `--base` (an export that already writes text), else a student trained like the demo (demo/run.py:
 student config, tables, align, teacher top-128, CSD recipe) for `--base-steps` steps. Prompts: the first
@@ -30,7 +31,8 @@ and figure, the mean over seeds and half the min-max spread, and the paired on-p
 differences; `goal` checks the issue's bar (on-policy lowers the teacher's bits per byte of the samples
 by more than the spread, diversity and reference bits per byte within 2% of off-policy's). Written to
 OUT/report.json and `--results` (default bench-results/onpolicy.json), with each phase's seconds and an
-estimate of the full run's duration scaled from them (`estimate`).
+estimate of the full run's duration scaled from them (`estimate`). `--table FILE` only prints a results file's
+table (`table`: the block of docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -299,6 +301,38 @@ def summarize(runs: list[dict]) -> dict:
             "note": "one seed: no spread, the bar is not tested" if len(seeds) < 2 else ""}
 
 
+def table(report: dict) -> str:
+    """A report's figures as a Markdown table: the base, each arm with each seed, and on minus off (`summarize` of the
+    runs: the mean of the paired differences, +- half their min-max spread for the teacher's and the held-out
+    figures, the held-out one also relative to off-policy's mean). With per-language held-out figures
+    (--setting multilingual) `heldout_bits_per_byte` is the non-English mean and English has a column of its own."""
+    runs = report["runs"]
+    summary = summarize(runs)
+    seeds, english = summary["seeds"], all("heldout_by_language" in r for r in runs)
+    formats = ["{:.4f}", "{:.3f}", "{:.4f}"] + ["{:.4f}"] * english
+
+    def figures(run: dict) -> list[float]:
+        return [run[f] for f in FIGURES] + [run["heldout_by_language"]["en"]] * english
+
+    lines = ["| | teacher bits/byte of the student's samples | distinct 2-grams | held-out bits/byte"
+             + (", non-English mean | English |" if english else " |"), "|---|" + "---|" * len(formats)]
+    base = next(r for r in runs if r["arm"] == "base")
+    lines.append("| base | " + " | ".join(f.format(v) for f, v in zip(formats, figures(base))) + " |")
+    by_seed = {(r["arm"], r["seed"]): figures(r) for r in runs if r["seed"] is not None}
+    for arm in ("off_policy", "on_policy"):
+        cells = [" / ".join(f.format(by_seed[arm, s][i]) for s in seeds) for i, f in enumerate(formats)]
+        lines.append(f"| {arm.replace('_', '-')} (seed {' / '.join(map(str, seeds))}) | " + " | ".join(cells) + " |")
+    samples, grams, heldout = (summary["on_minus_off"][f] for f in FIGURES)
+    off = summary["arms"]["off_policy"]["heldout_bits_per_byte"]["mean"]
+    cells = [f"{samples['mean']:+.3f} +- {samples['half_spread']:.3f}", f"{grams['mean']:+.3f}",
+             f"{heldout['mean']:+.3f} ({heldout['mean'] / off:+.1%}) +- {heldout['half_spread']:.3f}"]
+    if english:
+        differences = [by_seed["on_policy", s][3] - by_seed["off_policy", s][3] for s in seeds]
+        cells.append(f"{sum(differences) / len(differences):+.3f}")
+    lines.append("| on minus off | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 FULL = {"base_steps": 480, "rounds": 2, "steps": 100, "prompts": 64, "heldout_prompts": 16, "max_new_tokens": 48}
 
 
@@ -353,7 +387,12 @@ def main(argv: list[str]) -> int:
                         help="CSD divergence of both arms (reverse_kl: see the module docstring)")
     parser.add_argument("--seeds", default="0", help="comma-separated training seeds, e.g. 0,1,2")
     parser.add_argument("--results", default="bench-results/onpolicy.json", help="where the JSON report also goes")
+    parser.add_argument("--table", type=Path, help="only print the table of a results file "
+                        "(e.g. docs/results/onpolicy-multilingual.json)")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
     try:
         seeds = [int(seed) for seed in args.seeds.split(",")]
     except ValueError:

@@ -27,7 +27,8 @@ arm reading a mass-adaptive store (`teacher-logits --top-p`), `events128`, `even
 draws, `t1` at temperature 1; `min0.05s64`: `--min-p 0.05 --tail-samples 64`); each is written once per regime
 when such an arm is chosen. A subset run adds its runs to quality.json, a full run replaces
 its regimes. Writes
-bench-results/quality.json (with each run's held-out curve and seconds) and quality.png.
+bench-results/quality.json (with each run's held-out curve and seconds) and quality.png, and prints the table (each
+seed, seed 0 vs CE's, the mean vs CE's; `table`, the block of docs/RESULTS.md).
 
 `--comparison` runs the other cross-tokenizer methods against CSD instead (`comparison_arms`): CE, the
 best CSD arm and csd_1to1, ULD, GOLD and CT-OPD's strict KD each at their published defaults plus a
@@ -35,12 +36,14 @@ small sweep of their main knob, and the best CSD arm with its teacher rows shuff
 Every arm runs with seed 0; then CE, both CSD arms, the control and, per baseline, its best seed-0 arm
 of the regime run with seeds 1 and 2 (`--quick`: 20 steps, seed 1 only). `--comparison --arms A,B
 --seeds 0,1` runs just those (a subset run adds its runs to comparison.json). Writes
-bench-results/comparison.json (comparison-quick.json) and prints the table (mean over seeds, half the
-min-max spread, vs CE, vs the control, seconds per step). `--jobs 2` (`make bench-compare`) runs two
+bench-results/comparison.json (comparison-quick.json) and prints the table (each seed, the mean, half the
+min-max spread, vs CE, vs the control, seconds per step; `comparison_table`). `--table FILE` only prints a
+results file's table (with `--comparison`, a comparison.json's). `--jobs 2` (`make bench-compare`) runs two
 trainings side by side with one torch thread each: about 1.7x the runs per hour of one run on 2 cores.
 
     python -m bench.experiments.quality [--quick] [--regime data-limited|data-rich] [--arms A,B] [--seeds 0,1] [--out DIR]
     python -m bench.experiments.quality --comparison [--quick] [--jobs 2] [--regime ...] [--arms A,B --seeds 0,1]
+    python -m bench.experiments.quality [--comparison] --table docs/results/quality.json (comparison.json)
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from bench.experiments.runner import (
     fresh_run,
     read_jsonl,
     run,
+    runs_by_arm,
+    seed_cells,
     side_by_side,
     write_run,
 )
@@ -76,7 +81,7 @@ CONTROL = BEST_CSD + " shuffled"
 DEFAULT_ARMS = EXP.extra["default_arms"]
 COMPARISON_ARMS = EXP.extra["comparison_arms"]  # per regime (why these: recipes/experiments.yaml, docs/RESULTS.md)
 COMPARISON_SEEDS = tuple(EXP.extra["comparison_seeds"])  # after seed 0: CE, the CSD arms, the control, best baselines
-ARM_WIDTH = max(map(len, ARMS))  # the arm column of the printed tables
+ARM_WIDTH = max(map(len, ARMS))  # the arm column of the progress lines
 EVAL_POINTS = 5  # held-out evaluations per run, the last at the final step
 
 
@@ -179,26 +184,28 @@ def _save(results: list[dict], teachers: dict, path: Path, replace_regimes: bool
     path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
 
-def print_summary(results: list[dict], teachers: dict) -> None:
-    """The table: every run against CE (seed 0), then the mean of the arms run with several seeds."""
-    print(f"\n{'regime':<13} {'arm':<{ARM_WIDTH}} {'seed':>4} {'bits/byte':>10} {'vs ce':>8}")
-    for regime in sorted({r['regime'] for r in results}):
-        ce = next((r["bits_per_byte"] for r in results if r["regime"] == regime and r["arm"] == "ce" and r["seed"] == 0),
-                  None)
+def table(merged: dict) -> str:
+    """A quality.json as a Markdown table: per regime the teacher, then per arm (in recipes/experiments.yaml's order)
+    each seed's held-out bits per byte, seed 0 against CE's seed 0 and, for an arm run with several seeds, the mean
+    and its margin over CE's mean (when CE has several seeds too)."""
+    results, teachers = merged["results"], merged["teacher_bits_per_byte"]
+    order = list(ARMS)
+    lines = ["| regime | arm | seeds | bits/byte (per seed) | seed 0 vs CE | mean | mean vs CE |",
+             "|---|---|---|---|---|---|---|"]
+    for regime in sorted({r["regime"] for r in results}):
+        by_arm = runs_by_arm(results, regime)
+        cells = {arm: seed_cells(runs) for arm, runs in by_arm.items()}
+        first = {arm: runs[0]["bits_per_byte"] for arm, runs in by_arm.items() if runs[0]["seed"] == 0}
+        ce_mean = cells["ce"]["mean"] if len(by_arm.get("ce", [])) > 1 else None
         if regime in teachers:
-            print(f"{regime:<13} {'teacher':<{ARM_WIDTH}} {'':>4} {teachers[regime]:>10.4f}")
-        for r in sorted((r for r in results if r["regime"] == regime), key=lambda r: r["seed"]):
-            versus = f"{(r['bits_per_byte'] - ce) / ce:>+8.1%}" if ce else ""
-            print(f"{regime:<13} {r['arm']:<{ARM_WIDTH}} {r['seed']:>4} {r['bits_per_byte']:>10.4f} {versus}")
-        seeded = {}
-        for r in (r for r in results if r["regime"] == regime):
-            seeded.setdefault(r["arm"], []).append(r["bits_per_byte"])
-        if len(seeded.get("ce", [])) > 1:
-            ce_mean = sum(seeded["ce"]) / len(seeded["ce"])
-            for arm, values in seeded.items():
-                if len(values) > 1:
-                    mean = sum(values) / len(values)
-                    print(f"{regime:<13} {arm:<{ARM_WIDTH}} {'mean':>4} {mean:>10.4f} {(mean - ce_mean) / ce_mean:>+8.1%}")
+            lines.append(f"| {regime} | teacher (no training) |  | {teachers[regime]:.4f} |  |  |  |")
+        for arm in sorted(by_arm, key=lambda a: order.index(a) if a in order else len(order)):
+            c, several = cells[arm], len(by_arm[arm]) > 1
+            vs_first = f"{(first[arm] - first['ce']) / first['ce']:+.1%}" if arm != "ce" and {arm, "ce"} <= set(first) else ""
+            mean = f"{c['mean']:.4f}" if several else ""
+            vs_mean = f"{(c['mean'] - ce_mean) / ce_mean:+.1%}" if several and ce_mean and arm != "ce" else ""
+            lines.append(f"| {regime} | `{arm}` | {c['seeds']} | {c['values']} | {vs_first} | {mean} | {vs_mean} |")
+    return "\n".join(lines)
 
 
 def comparison_finalists(rows: list[dict]) -> list[str]:
@@ -241,28 +248,27 @@ def run_comparison(regimes: list[str], quick: bool, out: Path, log: Path, path: 
     _save(results, teachers, path, not subset)
 
 
-def print_comparison(results: list[dict], teachers: dict) -> None:
-    """Per regime and arm: mean held-out bits per byte over its seeds, half the min-max spread, the margin over
-    CE and over the shuffled-teacher control (both means), and the mean step time of its last 10 steps."""
-    print("\n| regime | arm | seeds | bits/byte | ± | vs CE | vs control | s/step |\n|---|---|---|---|---|---|---|---|")
+def comparison_table(merged: dict) -> str:
+    """A comparison.json as a Markdown table: per regime and arm (best mean first) each seed's held-out bits per
+    byte, the mean, half the min-max spread, the margin over CE and over the shuffled-teacher control (both means)
+    and the mean step time of its last 10 steps."""
+    results, teachers = merged["results"], merged["teacher_bits_per_byte"]
+    lines = ["| regime | arm | seeds | bits/byte (per seed) | mean | ± | vs CE | vs control | s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for regime in sorted({r["regime"] for r in results}):
-        by_arm: dict[str, list[dict]] = {}
-        for r in results:
-            if r["regime"] == regime:
-                by_arm.setdefault(r["arm"], []).append(r)
-        means = {arm: sum(r["bits_per_byte"] for r in runs) / len(runs) for arm, runs in by_arm.items()}
-        ce, control = means.get("ce"), means.get(CONTROL)
+        by_arm = runs_by_arm(results, regime)
+        cells = {arm: seed_cells(runs) for arm, runs in by_arm.items()}
+        ce, control = (cells[arm]["mean"] if arm in cells else None for arm in ("ce", CONTROL))
         if regime in teachers:
-            print(f"| {regime} | teacher |  | {teachers[regime]:.4f} |  |  |  |  |")
-        for arm in sorted(by_arm, key=means.get):
-            runs, m = by_arm[arm], means[arm]
-            values = [r["bits_per_byte"] for r in runs]
-            spread = f"{(max(values) - min(values)) / 2:.4f}" if len(values) > 1 else ""
+            lines.append(f"| {regime} | teacher (no training) |  |  | {teachers[regime]:.4f} |  |  |  |  |")
+        for arm in sorted(by_arm, key=lambda a: cells[a]["mean"]):
+            c, m = cells[arm], cells[arm]["mean"]
             versus = [f"{(m - ref) / ref:+.1%}" if ref and arm != own else "" for ref, own in ((ce, "ce"), (control, CONTROL))]
-            step = [r["last10_step_time_s"] for r in runs if r.get("last10_step_time_s")]
+            step = [r["last10_step_time_s"] for r in by_arm[arm] if r.get("last10_step_time_s")]
             step_s = f"{sum(step) / len(step):.2f}" if step else ""
-            print(f"| {regime} | `{arm}` | {','.join(str(r['seed']) for r in runs)} | {m:.4f} | {spread} | "
-                  f"{versus[0]} | {versus[1]} | {step_s} |")
+            lines.append(f"| {regime} | `{arm}` | {c['seeds']} | {c['values']} | {m:.4f} | {c['spread']} | "
+                         f"{versus[0]} | {versus[1]} | {step_s} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -277,7 +283,12 @@ def main(argv: list[str]) -> int:
                         "cores/jobs torch threads (2 on 2 cores gives more runs per hour than 1; default 1)")
     parser.add_argument("--comparison", action="store_true", help="CSD against ULD, GOLD, strict and the shuffled "
                         "control (COMPARISON_ARMS, three seeds for the finalists; writes comparison.json)")
+    parser.add_argument("--table", type=Path, help="only print the table of a results file (docs/results/quality.json; "
+                        "with --comparison docs/results/comparison.json)")
     args = parser.parse_args(argv)
+    if args.table:
+        print((comparison_table if args.comparison else table)(json.loads(args.table.read_text())))
+        return 0
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     log = out / "commands.log"
@@ -294,8 +305,7 @@ def main(argv: list[str]) -> int:
         if args.jobs < 1:
             parser.error(f"--jobs: {args.jobs} must be at least 1")
         run_comparison(args.regime or list(REGIMES), args.quick, out, log, path, arms, seeds, args.jobs)
-        merged = json.loads(path.read_text())
-        print_comparison(merged["results"], merged["teacher_bits_per_byte"])
+        print(comparison_table(json.loads(path.read_text())))
         print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {path}")
         return 0
     name = "quality-quick" if args.quick else "quality"  # a smoke run never mixes with measurements
@@ -331,9 +341,8 @@ def main(argv: list[str]) -> int:
         results.extend(rows)
         _save(results, teachers, summary_path, full)
     merged = json.loads(summary_path.read_text())  # every regime measured so far
-    results, teachers = merged["results"], merged["teacher_bits_per_byte"]
-    plot(results, plot_path)
-    print_summary(results, teachers)
+    plot(merged["results"], plot_path)
+    print(table(merged))
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all; wrote {summary_path} and {plot_path}")
     return 0
 

@@ -1,11 +1,22 @@
 """The generated tables of docs/RESULTS.md, written from the experiments' JSON results in docs/results/.
 
 Each generated block stands between two marker comments, `<!-- results NAME: ... -->` and `<!-- end of results
-NAME -->`; everything else in RESULTS.md is the hand-written log. The blocks (BLOCKS): `current`, the opening
-summary (per experiment and regime: CE, the best arm, its margin); `pretrained` and `prune`, the tables of
-`make bench-pretrained` and `make bench-prune` (the same text as `--table docs/results/<name>.json`); and
-`diagnosis`, the held-out curves of docs/results/pretrained-diagnosis.json. To publish a new measurement, copy
-its bench-results/<name>.json to docs/results/ and run this.
+NAME -->`; everything else in RESULTS.md is the hand-written log. The blocks (`blocks`): `current`, the opening
+summary (per experiment and regime: CE, the best arm, its margin); `quality` and `comparison`, the tables of `make
+bench-quality` and `make bench-compare` (docs/results/quality.json, comparison.json); `teachers-data-limited`,
+`teachers-data-rich` and `teachers-pretrained`, the regimes of `make bench-teachers` (teachers.json); `pretrained`
+and `prune`, the tables of `make bench-pretrained` and `make bench-prune`; `onpolicy`, the on-policy rounds of
+onpolicy-multilingual.json; and `diagnosis`, the held-out curves of pretrained-diagnosis.json. Each benchmark's
+block is the text of its module's own table function (`--table docs/results/<name>.json` prints the same; for
+the comparison `python -m bench.experiments.quality --comparison --table ...`). To publish a new measurement,
+copy its bench-results/<name>.json to docs/results/ and run this.
+
+quality.json, comparison.json and teachers.json were transcribed from the hand-written tables of RESULTS.md
+(measured 2026-11-30 and 2026-12-01), because those runs' own files (bench-results/, which git ignores) were not
+kept: every record says so in its `source` field and holds only what the tables and their text state (bits per
+byte to four decimals, the teachers' scores, seconds per step where given), no curve, seconds or flags. Means,
+spreads and margins are computed from those four-decimal values, so a few differ in the last digit from the
+runs' own (RESULTS.md says which). The next run of a benchmark replaces its transcribed records.
 
     python -m bench.experiments.results           # rewrite the blocks (make results)
     python -m bench.experiments.results --check   # exit 1 and name the stale blocks (tests/docs/test_results.py)
@@ -29,8 +40,13 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
+MAKE_TARGETS = {"comparison": "bench-compare"}  # else `make bench-<name>`
+SUMMARIZED = ("quality", "comparison", "teachers", "pretrained", "prune")  # the experiments in `current`
+
+
 def _score(name: str, record: dict) -> float:
-    """A run's one figure: bits per byte (prune), the mean over the non-English languages (pretrained)."""
+    """A run's one figure: the mean over the non-English languages (pretrained); else held-out bits per byte (quality,
+    comparison, teachers: for its pretrained regime the trainer's final evaluation, equal to the export's; prune)."""
     if name == "pretrained":
         from bench.experiments.pretrained import LANGUAGES
 
@@ -54,8 +70,8 @@ def current(results: dict[str, dict]) -> str:
             ce = means.get("ce")
             versus = f"{100 * (means[best] / ce - 1):+.2f}%" if ce else ""
             figure = "non-English mean" if name == "pretrained" else "held-out bits/byte"
-            lines.append(f"| `make bench-{name}` | {regime} ({figure}) | {ce:.4f} | `{best}` | {means[best]:.4f} | "
-                         f"{versus} | {len(runs[best])} | {sum(map(len, runs.values()))} | "
+            lines.append(f"| `make {MAKE_TARGETS.get(name, f'bench-{name}')}` | {regime} ({figure}) | {ce:.4f} | "
+                         f"`{best}` | {means[best]:.4f} | {versus} | {len(runs[best])} | {sum(map(len, runs.values()))} | "
                          f"`docs/results/{name}.json` |")
     return "\n".join(lines)
 
@@ -73,16 +89,21 @@ def diagnosis(merged: dict) -> str:
 
 
 def blocks(results_dir: Path = RESULTS_DIR) -> dict[str, str]:
-    """Every generated block's text, from the JSON files in `results_dir`."""
-    from bench.experiments import pretrained, prune
+    """Every generated block's text, from the JSON files in `results_dir`, in the order of RESULTS.md."""
+    from bench.experiments import onpolicy, pretrained, prune, quality, teachers
 
-    loaded = {name: json.loads((results_dir / f"{name}.json").read_text(encoding="utf-8"))
-              for name in ("pretrained", "prune")}
-    diagnosed = json.loads((results_dir / "pretrained-diagnosis.json").read_text(encoding="utf-8"))
+    def load(name: str) -> dict:
+        return json.loads((results_dir / f"{name}.json").read_text(encoding="utf-8"))
+
+    loaded = {name: load(name) for name in SUMMARIZED}
     return {"current": current(loaded),
+            "quality": quality.table(loaded["quality"]),
+            **{f"teachers-{regime}": teachers.table(loaded["teachers"], [regime]) for regime in teachers.ALL_REGIMES},
             "pretrained": f"```\n{pretrained.table(loaded['pretrained'])}\n```",
+            "diagnosis": diagnosis(load("pretrained-diagnosis")),
             "prune": f"```\n{prune.table(loaded['prune'])}\n```",
-            "diagnosis": diagnosis(diagnosed)}
+            "onpolicy": onpolicy.table(load("onpolicy-multilingual")),
+            "comparison": quality.comparison_table(loaded["comparison"])}
 
 
 def markers(name: str) -> tuple[str, str]:

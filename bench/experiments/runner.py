@@ -118,6 +118,23 @@ def write_run(experiment_name: str, record: dict, results_dir: Path | None = Non
     return path
 
 
+def runs_by_arm(results: list[dict], regime: str) -> dict[str, list[dict]]:
+    """The runs of `regime` per arm (in the order the arms first appear), each arm's runs in seed order."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in results:
+        if r.get("regime") == regime:
+            by_arm.setdefault(r["arm"], []).append(r)
+    return {arm: sorted(runs, key=lambda r: r["seed"]) for arm, runs in by_arm.items()}
+
+
+def seed_cells(runs: list[dict]) -> dict:
+    """An arm's runs as table cells: `seeds` ("0,1,2"), `values` (each seed's bits per byte, "2.2119 / 2.2124"),
+    `mean` (float) and `spread` (half the min-max spread, "" for one run)."""
+    values = [r["bits_per_byte"] for r in runs]
+    return {"seeds": ",".join(str(r["seed"]) for r in runs), "values": " / ".join(f"{v:.4f}" for v in values),
+            "mean": sum(values) / len(values), "spread": f"{(max(values) - min(values)) / 2:.4f}" if len(values) > 1 else ""}
+
+
 @dataclass(frozen=True)
 class Bench:
     """What an experiment module gives `main`: its name in recipes/experiments.yaml and its parts.

@@ -27,8 +27,9 @@ command (`csd-pipeline bits-per-byte`).
 
 `--seeds 0,1,2` (default), `--regime` (repeatable), `--arms`, `--quick` (the first records of each
 corpus, 20 steps per arm, 3 for `pretrained`: a smoke run, written to teachers-quick.json). Writes bench-results/teachers.json and
-prints a table: mean held-out bits per byte over the seeds, half the min-max spread, vs CE, vs the
-better single teacher (its mean), seconds per step (mean of the last 10 steps).
+prints a table (`table`; `--table FILE` only prints a results file's): each seed's held-out bits per byte, their
+mean, half the min-max spread, vs CE, vs the better single teacher (its mean), seconds per step (mean of the last 10
+steps).
 
     python -m bench.experiments.teachers [--quick] [--regime data-limited|data-rich|pretrained] [--arms A,B] [--seeds 0,1,2]
 """
@@ -41,7 +42,19 @@ from pathlib import Path
 
 from bench.experiments.plan import arm_flags, experiment, store_path, train_config_args
 from bench.experiments.quality import EVAL_POINTS, WARMUP_STEPS
-from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
+from bench.experiments.runner import (
+    BIN,
+    ROOT,
+    WINDOW,
+    Bench,
+    bits_per_byte,
+    fresh_run,
+    main,
+    read_jsonl,
+    run,
+    runs_by_arm,
+    seed_cells,
+)
 from csd_pipeline.recipes import store_flags
 
 TEACHERS = (("smollm2", "smollm2-135m-instruct"), ("gemma3", "gemma3-270m"))  # (tokenizer, model), by index
@@ -147,34 +160,32 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def table(merged: dict) -> str:
-    """Per regime and arm: mean bits per byte over seeds, half the min-max spread, vs CE, vs the better single
-    teacher (lower mean of `smollm2` and `gemma3` alone), seconds per step: a Markdown table."""
+def table(merged: dict, regimes: list[str] | None = None) -> str:
+    """Per regime (`regimes`, default every one in the file) and arm: each seed's bits per byte, their mean, half the
+    min-max spread, vs CE, vs the better single teacher (lower mean of `smollm2` and `gemma3` alone), seconds per
+    step: a Markdown table."""
     results, scores = merged["results"], merged["reference_bits_per_byte"]
-    lines = ["| regime | arm | seeds | bits/byte | ± | vs CE | vs best single | s/step |", "|---|---|---|---|---|---|---|---|"]
-    for regime in [r for r in ALL_REGIMES if any(x["regime"] == r for x in results)]:
-        by_arm: dict[str, list[dict]] = {}
-        for r in results:
-            if r["regime"] == regime:
-                by_arm.setdefault(r["arm"], []).append(r)
-        means = {arm: _mean([r["bits_per_byte"] for r in runs]) for arm, runs in by_arm.items()}
+    lines = ["| regime | arm | seeds | bits/byte (per seed) | mean | ± | vs CE | vs best single | s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for regime in [r for r in regimes or ALL_REGIMES if any(x["regime"] == r for x in results)]:
+        by_arm = runs_by_arm(results, regime)
+        cells = {arm: seed_cells(runs) for arm, runs in by_arm.items()}
+        means = {arm: c["mean"] for arm, c in cells.items()}
         singles = [means[a] for a in SINGLE if a in means and regime != "pretrained"]
         ce, best_single = means.get("ce"), min(singles) if len(singles) == len(SINGLE) else None
         for name, value in sorted((scores.get(regime) or {}).items()):
-            lines.append(f"| {regime} | {name} (no training) |  | {value:.4f} |  |  |  |  |")
+            lines.append(f"| {regime} | {name} (no training) |  |  | {value:.4f} |  |  |  |  |")
         for arm in sorted(by_arm, key=means.get):
-            runs, m = by_arm[arm], means[arm]
-            values = [r["bits_per_byte"] for r in runs]
-            spread = f"{(max(values) - min(values)) / 2:.4f}" if len(values) > 1 else ""
+            c, m = cells[arm], means[arm]
             vs_ce = f"{(m - ce) / ce:+.2%}" if ce and arm != "ce" else ""
             vs_single = f"{(m - best_single) / best_single:+.2%}" if best_single and arm in ("sum", "select") else ""
-            steps = [r["last10_step_time_s"] for r in runs if r.get("last10_step_time_s")]
+            steps = [r["last10_step_time_s"] for r in by_arm[arm] if r.get("last10_step_time_s")]
             per_step = f"{_mean(steps):.2f}" if steps else ""
-            lines.append(f"| {regime} | `{arm}` | {','.join(str(r['seed']) for r in runs)} | {m:.4f} | {spread} | "
+            lines.append(f"| {regime} | `{arm}` | {c['seeds']} | {c['values']} | {m:.4f} | {c['spread']} | "
                          f"{vs_ce} | {vs_single} | {per_step} |")
         wins = _wins(by_arm)
         if wins:
-            lines.append(f"| {regime} | {wins} |  |  |  |  |  |  |")
+            lines.append(f"| {regime} | {wins} |  |  |  |  |  |  |  |")
     return "\n".join(lines)
 
 

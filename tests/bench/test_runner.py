@@ -30,6 +30,24 @@ def test_table_of_a_results_file(capsys):
     assert "ce                     2    2.3118" in printed and "kd smollm2 dynamic     1    2.2696" in printed
 
 
+def test_each_benchmark_table_prints_its_block_of_results_md(capsys):
+    """`--table FILE` of quality (and --comparison), teachers and onpolicy prints what docs/RESULTS.md's block holds."""
+    from bench.experiments import onpolicy, quality, teachers
+    from bench.experiments.results import RESULTS_DIR, blocks
+
+    generated = blocks()
+    for command, name, block in (
+            (lambda f: quality.main(["--table", f]), "quality", "quality"),
+            (lambda f: quality.main(["--comparison", "--table", f]), "comparison", "comparison"),
+            (lambda f: onpolicy.main(["--table", f]), "onpolicy-multilingual", "onpolicy")):
+        assert command(str(RESULTS_DIR / f"{name}.json")) == 0
+        assert capsys.readouterr().out == generated[block] + "\n"
+    assert main(teachers.BENCH, ["--table", str(RESULTS_DIR / "teachers.json")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    regimes = [generated[f"teachers-{regime}"].splitlines() for regime in teachers.ALL_REGIMES]
+    assert printed == regimes[0] + [line for lines in regimes[1:] for line in lines[2:]]  # one header
+
+
 def test_each_run_is_also_a_file_of_its_own(tmp_path):
     from bench.experiments.runner import write_run
 

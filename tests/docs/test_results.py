@@ -33,6 +33,35 @@ def test_a_changed_json_or_a_hand_edited_table_is_caught(tmp_path):
         results.with_blocks(text.replace("<!-- end of results diagnosis -->", ""), results.blocks())
 
 
+@pytest.mark.parametrize(("name", "where", "stale"), [
+    ("quality", ("results", 0, "bits_per_byte"), ["current", "quality"]),
+    ("comparison", ("results", 0, "bits_per_byte"), ["current", "comparison"]),
+    ("teachers", ("results", 0, "bits_per_byte"), ["current", "teachers-data-limited"]),
+    ("teachers", ("reference_bits_per_byte", "pretrained", "student before"), ["teachers-pretrained"]),
+    ("onpolicy-multilingual", ("runs", 1, "heldout_by_language", "en"), ["onpolicy"]),
+])
+def test_a_changed_number_in_a_new_json_is_caught(tmp_path, name, where, stale):
+    """The tables transcribed into JSON (quality, comparison, teachers) and the on-policy one: a number changed in
+    the file makes its block (and the summary, where the number is CE's or the best arm's) stale."""
+    text = results.RESULTS_MD.read_text(encoding="utf-8")
+    folder = tmp_path / "results"
+    shutil.copytree(results.RESULTS_DIR, folder)
+    merged = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
+    *path, key = where
+    parent = merged
+    for step in path:
+        parent = parent[step]
+    parent[key] += 0.01
+    (folder / f"{name}.json").write_text(json.dumps(merged), encoding="utf-8")
+    assert results.stale(text, results.blocks(folder)) == stale
+
+
+@pytest.mark.parametrize("name", ["quality", "comparison", "teachers"])
+def test_the_transcribed_records_say_so(name):
+    merged = json.loads((results.RESULTS_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    assert all(r["source"].startswith("transcribed from docs/RESULTS.md") for r in merged["results"])
+
+
 def test_the_summary_row_is_the_mean_over_seeds_of_the_json():
     """CE and the best arm of `repeated`, recomputed here from pretrained.json: the mean over seeds of each run's
     mean over the five non-English languages."""
