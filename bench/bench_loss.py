@@ -7,9 +7,9 @@
   (`profile_memory=True`): the peak of the bytes held at once above the inputs, gradients
   included. The chunked path runs with its default blocks (row chunks of 2,048 positions by
   vocabulary blocks of 8,192 ids at V = 128,256: 64 MiB of float32 logits) and keeps KEEP_SHARE of
-  the batch's [P, V] float32 logits from the forward for the backward (`--loss-keep-mb`: at the full
+  the batch's [P, V] float32 logits from the forward for the backward (`--loss-reuse-mb`: at the full
   size 668 MiB, which holds the blocks of 1,365 of the 4,096 rows), the same budget holding float16
-  values (`--loss-keep-dtype float16`: 2,730 rows), and, for reference, once with none kept. Runs
+  values (`--loss-reuse-dtype float16`: 2,730 rows), and, for reference, once with none kept. Runs
   alternate naive and chunked so that a shared machine's load falls on all (naive and float16 kept,
   the checked pair, three times each); every time is reported and the best of each counts. The CPU seconds of the same runs
   (every thread) are reported too: on a shared machine they move less than the wall time.
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 VOCAB = 128_256
 TOP_K = 32
-KEEP_SHARE = 1 / 3  # --loss-keep-mb of the chunked path: this share of the batch's [P, V] float32 logits
+KEEP_SHARE = 1 / 3  # --loss-reuse-mb of the chunked path: this share of the batch's [P, V] float32 logits
 
 
 def _aligned_rows(total_tokens: int, quick: bool):
@@ -149,11 +149,11 @@ def build_events(positions: int, quick: bool) -> tuple[dict, dict]:
 
 
 def _worker(variant: str, events_path: str, positions: int, hidden: int, repeats: int = 1, keep_mb: float = 0.0,
-            keep_dtype: str = "float32") -> dict:
+            reuse_dtype: str = "float32") -> dict:
     cmd = [
         sys.executable, "-m", "bench.loss_peak_worker", "--variant", variant, "--events", events_path,
         "--positions", str(positions), "--vocab", str(VOCAB), "--hidden", str(hidden), "--repeats", str(repeats),
-        "--keep-mb", str(keep_mb), "--keep-dtype", keep_dtype,
+        "--keep-mb", str(keep_mb), "--keep-dtype", reuse_dtype,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode != 0:
@@ -177,12 +177,12 @@ def run(quick: bool = False) -> dict:
     speed_keep_mb = KEEP_SHARE * speed_positions * VOCAB * 4 / (1 << 20)
     chunk = auto_chunk_size(VOCAB)
     block = auto_vocab_block(VOCAB, chunk)
-    keep_bytes = int(keep_mb * (1 << 20))
+    reuse_bytes = int(keep_mb * (1 << 20))
     metrics: dict = {"vocab": VOCAB, "positions": mem_positions, "hidden": mem_hidden, "top_k": TOP_K,
                      "chunk_size": chunk, "vocab_block": block, "block_mib": chunk * block * 4 / (1 << 20),
-                     "blocks_per_step": -(-mem_positions // chunk) * -(-VOCAB // block), "loss_keep_mb": keep_mb,
-                     "kept_rows": min(mem_positions, keep_bytes // (VOCAB * 4)),
-                     "kept_rows_float16": min(mem_positions, keep_bytes // (VOCAB * 2)),
+                     "blocks_per_step": -(-mem_positions // chunk) * -(-VOCAB // block), "loss_reuse_mb": keep_mb,
+                     "kept_rows": min(mem_positions, reuse_bytes // (VOCAB * 4)),
+                     "kept_rows_float16": min(mem_positions, reuse_bytes // (VOCAB * 2)),
                      "speed_positions": speed_positions, "speed_hidden": speed_hidden,
                      "load_average_start": _load(), "cpu_count": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-loss-") as tmp:
@@ -212,9 +212,9 @@ def run(quick: bool = False) -> dict:
         runs: dict = {name: [] for name in variants}
         loads: dict = {name: [] for name in variants}
         for name in order:
-            variant, keep, keep_dtype = variants[name]
+            variant, keep, reuse_dtype = variants[name]
             loads[name].append(round(_load(), 2))
-            runs[name].append(_worker(variant, mem_path, mem_tokens, mem_hidden, keep_mb=keep, keep_dtype=keep_dtype))
+            runs[name].append(_worker(variant, mem_path, mem_tokens, mem_hidden, keep_mb=keep, reuse_dtype=reuse_dtype))
         ce_best, csd_best = [], []
         for _ in range(2 if quick else 3):  # interleaved, so both see the same machine load
             ce_best += _worker("ce", speed_path, speed_positions, speed_hidden, repeats=2, keep_mb=speed_keep_mb)["seconds"]

@@ -22,13 +22,13 @@ VARIANTS = {"none_kept": (0, "float32"), "float32_kept": (1 << 40, "float32"),
 HIDDEN_SCALES = {"near_uniform": 1.0, "peaked": 100.0}
 
 
-def _gradients(hidden, weight, arrays, events, keep_bytes: int, keep_dtype: str):
+def _gradients(hidden, weight, arrays, events, reuse_bytes: int, reuse_dtype: str):
     from csd_pipeline.loss.csd import csd_loss
 
     h = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
     out = csd_loss(hidden=h, weight=w, ce_positions=arrays["ce_positions"], ce_tokens=arrays["ce_tokens"],
-                   teachers=[events.to("cpu", float_dtype=hidden.dtype)], keep_bytes=keep_bytes, keep_dtype=keep_dtype)
+                   teachers=[events.to("cpu", float_dtype=hidden.dtype)], reuse_bytes=reuse_bytes, reuse_dtype=reuse_dtype)
     out.loss.backward()
     return w.grad.double(), h.grad.double()
 
@@ -64,8 +64,8 @@ def gradient_errors(positions: int, hidden_size: int, vocab: int) -> dict:
         entry = {"mean_entropy_nats": float(-(logp.exp() * logp).sum(-1).mean())}
         del logp
         ref_w, ref_h = _gradients(h.double(), weight.double(), arrays, events, 0, "float32")
-        for name, (keep_bytes, keep_dtype) in VARIANTS.items():
-            got_w, got_h = _gradients(h, weight, arrays, events, keep_bytes, keep_dtype)
+        for name, (reuse_bytes, reuse_dtype) in VARIANTS.items():
+            got_w, got_h = _gradients(h, weight, arrays, events, reuse_bytes, reuse_dtype)
             err_w, err_h = _relative_errors(got_w, ref_w), _relative_errors(got_h, ref_h)
             entry[name] = {"lm_head_fro": err_w["fro"], "lm_head_max": err_w["max"],
                            "hidden_fro": err_h["fro"], "hidden_max": err_h["max"]}

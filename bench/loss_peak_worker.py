@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     # In place, so that creating the inputs leaves no temporary in the baseline peak.
     hidden = torch.randn(args.positions, args.hidden, generator=g).mul_(0.05).requires_grad_(True)
     weight = torch.randn(args.vocab, args.hidden, generator=g).mul_(0.05).requires_grad_(True)
-    keep_bytes = int(args.keep_mb * (1 << 20))
+    reuse_bytes = int(args.keep_mb * (1 << 20))
     losses = []
 
     def step():
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         else:
             out = csd_loss(
                 hidden=hidden, weight=weight, ce_positions=ce_pos, ce_tokens=ce_tok, teachers=teachers,
-                chunk_size=args.chunk_size, keep_bytes=keep_bytes, keep_dtype=args.keep_dtype,
+                chunk_size=args.chunk_size, reuse_bytes=reuse_bytes, reuse_dtype=args.reuse_dtype,
             )
         out.loss.backward()
         losses.append(float(out.loss.detach()))
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
         "peak_rss_growth_bytes": peak_rss_step,  # for reference only: freed pages are reused, so it can read 0
         "inputs_bytes": (hidden.numel() + weight.numel()) * 4,
         "chunk_size": args.chunk_size or auto_chunk_size(args.vocab),
-        "keep_bytes": keep_bytes,
-        "keep_dtype": args.keep_dtype,
+        "reuse_bytes": reuse_bytes,
+        "reuse_dtype": args.reuse_dtype,
         "threads": torch.get_num_threads(),
         "seconds": times,
         "cpu_seconds": cpu_times,  # every thread's CPU time: on a shared machine it moves less than wall time

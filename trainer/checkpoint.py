@@ -6,7 +6,7 @@ run counters; rank 0) and `ranks/rank-RRRRR.json` (each rank's data-loader state
 states). Everything is written into `step-N.tmp/`; after every rank has finished, rank 0 writes
 `complete.json` and renames the folder to `step-N/`. A failed write (disk full, ...) is agreed
 on by all ranks, the partial folder is removed and the previous checkpoints are left as they
-were. Only the latest `keep_last` complete checkpoints are kept.
+were. Only the latest `save_total_limit` complete checkpoints are kept.
 
 DCP itself pickles: its index `.metadata` is a pickle and the optimizer's non-tensor values are
 `torch.save` pickles. So `complete.json` records the sha256 of `.metadata`, and a checkpoint is
@@ -85,7 +85,7 @@ def set_rng_state(state: dict, device) -> None:
 
 
 def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, loader_state: dict,
-                    ctx, keep_last: int) -> Path:
+                    ctx, save_total_limit: int) -> Path:
     """Write `checkpoints/step-{step}/` (collective: every rank calls it). Returns the folder.
 
     Raises `CsdError` on every rank when any rank failed to write; the partial folder is removed
@@ -149,7 +149,7 @@ def save_checkpoint(output, step: int, wrapper, optimizer, trainer_state: dict, 
         _discard(tmp, ctx)
         raise CsdError(_failure_message(final, failure, output))
     if ctx.is_main:
-        for _, old in complete_checkpoints(output)[:-keep_last]:
+        for _, old in complete_checkpoints(output)[:-save_total_limit]:
             _remove_tree(old)
     distributed.barrier()
     return final

@@ -20,7 +20,7 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.events.baseline_rows import TEACHER_CONTROLS
 from csd_pipeline.events.batch import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
-from csd_pipeline.loss.token_logprobs import DEFAULT_KEEP_DTYPE, KEEP_DTYPES
+from csd_pipeline.loss.token_logprobs import DEFAULT_REUSE_DTYPE, REUSE_DTYPES
 from csd_pipeline.loss.training import LOSSES
 from csd_pipeline.runtime.model_loading import DEVICES, TRAINING_DTYPES
 from csd_pipeline.runtime.options import check_choices, field_default, flag, option
@@ -151,11 +151,11 @@ class LossConfig:
                                         "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
     loss_chunk_size: int = option(0, "positions per row chunk of the student log-softmax (0: auto, 2,048; the "
                                    "vocabulary goes in blocks of about 2^24 logits)")
-    loss_keep_mb: int = option(0, "MiB of student logits the loss keeps from forward for backward, which then skips "
+    loss_reuse_mb: int = option(0, "MiB of student logits the loss holds from forward for the backward to reuse, instead of "
                                 "recomputing them (0: none, the least memory; more is faster)")
-    loss_keep_dtype: str = option(DEFAULT_KEEP_DTYPE, "how the kept logits are stored: float32 (exact), float16 "
+    loss_reuse_dtype: str = option(DEFAULT_REUSE_DTYPE, "how the reused logits are held: float32 (exact), float16 "
                                                     "or bfloat16 (twice the rows per MiB, rounded: "
-                                                    "docs/TRAINING.md)", choices=KEEP_DTYPES)
+                                                    "docs/TRAINING.md)", choices=REUSE_DTYPES)
 
     def build(self):
         """The loss of this run (`csd_pipeline.loss.training.build_loss`), built from these options and validated."""
@@ -165,7 +165,7 @@ class LossConfig:
 
     def validate(self) -> None:
         check_choices(self)
-        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "loss_keep_mb", "strict_top_k"))
+        _at_least(self, 0, ("beta", "kd_weight", "teacher_top_k", "loss_chunk_size", "loss_reuse_mb", "strict_top_k"))
         if self.kd_scale == "ratio" and self.kd_weight > 1:
             raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.loss} "
                            f"and --kd-weight {self.kd_weight}")
@@ -206,7 +206,7 @@ class CheckpointConfig:
 
     output: str | None = option(None, "output directory (checkpoints, metrics, export)")
     save_every: int = option(500, "checkpoint every N steps (0: only at the end)")
-    keep_last: int = option(2, "keep the latest N checkpoints")
+    save_total_limit: int = option(2, "how many checkpoints to leave on disk: the latest N")
     resume: bool = option(False, "continue from the latest complete checkpoint in --output")
     export_every: int = option(0, "also write the HF export every N steps (0: only at the end)")
     stop_at_step: int = option(0, "stop cleanly after this step, as if interrupted (0: run --steps)")
@@ -214,7 +214,7 @@ class CheckpointConfig:
     def validate(self) -> None:
         if not self.output:
             raise CsdError("--output is required: pass the directory for checkpoints, metrics and the export")
-        _at_least(self, 1, ("keep_last",))
+        _at_least(self, 1, ("save_total_limit",))
         _at_least(self, 0, ("save_every", "export_every", "stop_at_step"))
 
 

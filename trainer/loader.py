@@ -179,7 +179,7 @@ class _BatchBuilder:
             share = self.spec.teacher_cache_bytes // (open_shards * len(self.spec.teachers))
             self._teacher_cache[key] = self.spec.teachers[t].shard(shard, cache_bytes=share)
         topk = self._teacher_cache[key][row]
-        return keep_most_likely(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
+        return most_likely_entries(topk, self.spec.teacher_top_k) if self.spec.teacher_top_k else topk
 
     def build(self, windows: list[_Window], placements) -> MicroBatch:
         from csd_pipeline.events.batch import ce_targets
@@ -217,7 +217,7 @@ class _BatchBuilder:
                 for w, topk in zip(windows, topks, strict=True)]
 
 
-def keep_most_likely(topk, n: int):
+def most_likely_entries(topk, n: int):
     """The row with only its n most likely stored entries per position (all when n >= k).
 
     The stored entries are the teacher's k most likely ids, so their n most likely are exactly what a

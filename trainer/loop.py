@@ -186,7 +186,7 @@ def _save(config: TrainConfig, ctx, step: int, final: bool, wrapper, optimizer, 
     if saved:
         checkpoint.save_checkpoint(
             options.output, step, wrapper, optimizer, {"scheduler": scheduler.state_dict(), "counters": counters},
-            batch.state, ctx, options.keep_last,
+            batch.state, ctx, options.save_total_limit,
         )
     if options.export_every and step % options.export_every == 0 and step != config.optimizer.steps:
         export(wrapper, config, ctx, data, storage.location(options.output) / f"{EXPORT_DIR}-step-{step}", batch)

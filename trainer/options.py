@@ -26,9 +26,16 @@ def coerce(name: str, value, origin: str):
     return options.coerce(name, OPTIONS[name].hint, value, origin)
 
 
+# options renamed so that no word carries two meanings ("keep" is what a teacher store keeps): old -> new
+RENAMED = {"loss_keep_mb": "loss_reuse_mb", "loss_keep_dtype": "loss_reuse_dtype", "keep_last": "save_total_limit"}
+
+
 def known(name: str, origin: str) -> str:
     """The option called `name` (dashes or underscores); raise `CsdError` with close names when unknown."""
     key = name.replace("-", "_")
+    if key in RENAMED:
+        raise CsdError(f"option {name!r} in {origin} is now {RENAMED[key]!r} (--{RENAMED[key].replace('_', '-')}); "
+                       "rename it there")
     if key not in OPTIONS:
         close = [k for k in OPTIONS if k.startswith(key[:4])]
         hint = f" (did you mean {', '.join(close)}?)" if close else ""

@@ -86,8 +86,8 @@ class TokenScores(CeLoss):
             gathered = dense_token_logprobs(logits, positions, tokens)
         else:
             gathered = chunked_token_logprobs(hidden, weight, positions, tokens, chunk_size=self._chunk_size(),
-                                              keep_bytes=options["loss_keep_mb"] << 20,
-                                              keep_dtype=options["loss_keep_dtype"])
+                                              reuse_bytes=options["loss_reuse_mb"] << 20,
+                                              reuse_dtype=options["loss_reuse_dtype"])
         count = positions.numel() if global_ce_tokens is None else global_ce_tokens
         ce = -gathered.sum() / float(count)  # as `csd_loss` then `combine_losses` compute it
         return LossOutput(loss=ce, ce=ce, kd=torch.zeros_like(ce), metrics={TOKEN_LOGPROBS: gathered.detach()})

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from csd_pipeline.errors import CsdError
 from csd_pipeline.loss.token_logprobs import (
     DEFAULT_CHUNK_SIZE,
-    DEFAULT_KEEP_BYTES,
-    DEFAULT_KEEP_DTYPE,
+    DEFAULT_REUSE_BYTES,
+    DEFAULT_REUSE_DTYPE,
     gather_parts,
     student_inputs,
 )
@@ -287,15 +287,15 @@ def csd_loss(
     divergence: str = DEFAULT_DIVERGENCE,
     beta: float = DEFAULT_BETA,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-    keep_bytes: int = DEFAULT_KEEP_BYTES,
-    keep_dtype: str = DEFAULT_KEEP_DTYPE,
+    reuse_bytes: int = DEFAULT_REUSE_BYTES,
+    reuse_dtype: str = DEFAULT_REUSE_DTYPE,
     kd_scale: torch.Tensor | float | None = None,
     teacher_temperature: float = 1.0,
 ) -> LossOutput:
     """CE + CSD for one batch, from the student's last hidden states and LM head (or logits).
 
     Give either `hidden` [P, H] and `weight` [V, H] (chunked path, memory O(chunk_size x V), plus
-    up to `keep_bytes` of logits kept for the backward, stored as `keep_dtype`:
+    up to `reuse_bytes` of logits kept for the backward, stored as `reuse_dtype`:
     `token_logprobs.chunked_token_logprobs`) or
     `logits` [P, V]. ce_positions / ce_tokens: flat CE targets (`events.ce_targets`). teachers: one
     `BatchEvents` per teacher (numpy or already on the device). All (position, token) pairs (CE
@@ -312,7 +312,7 @@ def csd_loss(
         pos_parts += [ev.chain_pos, ev.final_pos]
         tok_parts += [ev.chain_tok, ev.final_tok]
     pieces = gather_parts(pos_parts, tok_parts, hidden=hidden, weight=weight, logits=logits, chunk_size=chunk_size,
-                          keep_bytes=keep_bytes, keep_dtype=keep_dtype)
+                          reuse_bytes=reuse_bytes, reuse_dtype=reuse_dtype)
     ce_sum = -pieces[0].sum()
     terms = [
         csd_divergence(

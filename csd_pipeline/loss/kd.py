@@ -164,8 +164,8 @@ class KdLoss(TrainingLoss):
             pos_parts.append(rows.position[:, None].expand_as(rows.ids)[valid])
             tok_parts.append(rows.ids[valid])
         pieces = gather_parts(pos_parts, tok_parts, hidden=hidden, weight=weight, logits=logits,
-                              chunk_size=self._chunk_size(), keep_bytes=self.options["loss_keep_mb"] << 20,
-                              keep_dtype=self.options["loss_keep_dtype"])
+                              chunk_size=self._chunk_size(), reuse_bytes=self.options["loss_reuse_mb"] << 20,
+                              reuse_dtype=self.options["loss_reuse_dtype"])
         terms = [kd_divergence(pieces[1 + i], rows) for i, rows in enumerate(teachers)]
         if global_ce_tokens is None:
             global_ce_tokens = int(ce_positions.numel())

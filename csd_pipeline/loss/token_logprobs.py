@@ -8,11 +8,11 @@ chunk against a vocabulary block: on a CPU the product of 261 rows against the w
 about 20% slower per row than 2,048 rows against 8,192 ids). The forward takes each row's
 logsumexp across the blocks as it goes (a running max and a rescaled sum); the backward forms the
 blocks again (as fused LM-head losses do) and accumulates the gradients of h and of W block by block.
-Only h, W and one logsumexp per position are saved, plus, within `keep_bytes`, what the backward
+Only h, W and one logsumexp per position are saved, plus, within `reuse_bytes`, what the backward
 needs of the first rows' softmax: the backward reuses it instead of recomputing the block (one
 matrix product of the three per block), so memory buys speed. A kept block is stored as z - m,
 the logits less the block's own row maxima (with m - logsumexp, one number per row and block, the
-backward rebuilds log p exactly), in `keep_dtype`: "float32" (the default; float64 for float64
+backward rebuilds log p exactly), in `reuse_dtype`: "float32" (the default; float64 for float64
 inputs) or "float16" / "bfloat16", half the bytes, so twice the rows fit in the same budget. Rounding
 z - m (|z - m| <= |log p|, since m <= logsumexp; m - logsumexp is kept as (m - the row's max) -
 log sum exp(z - max), exact for the block holding the max even where log p is below float rounding
@@ -38,10 +38,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 DEFAULT_CHUNK_SIZE = None  # auto: 2,048 rows (more when the vocabulary is small; see auto_chunk_size)
-DEFAULT_KEEP_BYTES = 0  # logits kept from forward for backward: none (the least memory)
-KEEP_DTYPES = ("float32", "bfloat16", "float16")  # how kept blocks are stored (see the module docstring)
-DEFAULT_KEEP_DTYPE = "float32"
-KEEP_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # u of the 16-bit kept values
+DEFAULT_REUSE_BYTES = 0  # logits kept from forward for backward: none (the least memory)
+REUSE_DTYPES = ("float32", "bfloat16", "float16")  # how kept blocks are stored (see the module docstring)
+DEFAULT_REUSE_DTYPE = "float32"
+REUSE_UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # u of the 16-bit kept values
 _AUTO_ROWS = 2048
 _AUTO_BLOCK_ELEMENTS = 1 << 24  # logits per block: 64 MiB in float32
 
@@ -92,24 +92,24 @@ def _chunk_logits(hidden_rows, weight_block, acc_dtype):
     return logits if logits.dtype == acc_dtype else logits.to(acc_dtype)
 
 
-def _keep_torch_dtype(keep_dtype: str):
+def _keep_torch_dtype(reuse_dtype: str):
     """The torch dtype of kept 16-bit log-probabilities; None for "float32" (exponentiated logits)."""
     import torch
 
-    if keep_dtype not in KEEP_DTYPES:
-        raise CsdError(f"keep_dtype must be one of {', '.join(KEEP_DTYPES)}, got {keep_dtype!r}; "
-                       "set --loss-keep-dtype to one of them.")
-    return None if keep_dtype == "float32" else getattr(torch, keep_dtype)
+    if reuse_dtype not in REUSE_DTYPES:
+        raise CsdError(f"reuse_dtype must be one of {', '.join(REUSE_DTYPES)}, got {reuse_dtype!r}; "
+                       "set --loss-reuse-dtype to one of them.")
+    return None if reuse_dtype == "float32" else getattr(torch, reuse_dtype)
 
 
-def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, vocab_block, keep_bytes, keep_dtype):
+def _chunked_forward(ctx, hidden, weight, positions, tokens, chunk_size, vocab_block, reuse_bytes, reuse_dtype):
     """Forward of `ChunkedTokenLogprobs`: the gathered log-probabilities, a block of logits at a time."""
     import torch
 
     acc = accumulation_dtype(hidden.dtype)
-    keep_as = _keep_torch_dtype(keep_dtype) or acc
+    keep_as = _keep_torch_dtype(reuse_dtype) or acc
     row_bytes = weight.shape[0] * keep_as.itemsize
-    layout = _Layout(positions, tokens, chunk_size, weight.shape[0], vocab_block, keep_bytes // row_bytes)
+    layout = _Layout(positions, tokens, chunk_size, weight.shape[0], vocab_block, reuse_bytes // row_bytes)
     rows = layout.unique_pos.numel()
     lse = torch.empty(rows, dtype=acc, device=hidden.device)
     out_sorted = torch.empty(positions.numel(), dtype=acc, device=hidden.device)
@@ -221,8 +221,8 @@ def chunked_token_logprobs(
     positions: torch.Tensor,
     tokens: torch.Tensor,
     chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-    keep_bytes: int = DEFAULT_KEEP_BYTES,
-    keep_dtype: str = DEFAULT_KEEP_DTYPE,
+    reuse_bytes: int = DEFAULT_REUSE_BYTES,
+    reuse_dtype: str = DEFAULT_REUSE_DTYPE,
     vocab_block: int | None = None,
 ) -> torch.Tensor:
     """Student log-probabilities log softmax(hidden @ weight.T)[positions[g], tokens[g]].
@@ -231,10 +231,10 @@ def chunked_token_logprobs(
     tokens: int64 [G]. Logits are formed a block at a time, `chunk_size` distinct positions
     (default 2,048, `auto_chunk_size`) by `vocab_block` ids (default about 2^24 logits per block of
     min(chunk_size, P) rows, `auto_vocab_block`), and formed again in backward, so memory is O(chunk_size x vocab_block)
-    instead of O(P x V). keep_bytes: the forward keeps the blocks of its first rows while they fit in
+    instead of O(P x V). reuse_bytes: the forward keeps the blocks of its first rows while they fit in
     this many bytes (V x the kept dtype's size per row), and the backward uses them instead of
     forming them again (a third of a block's time each); 0 keeps none, `keep_bytes_for(...)` sizes it
-    from a memory budget. keep_dtype: "float32" keeps them in the accumulation dtype (float64 for
+    from a memory budget. reuse_dtype: "float32" keeps them in the accumulation dtype (float64 for
     float64 inputs), exact; "float16" / "bfloat16" in 16 bits, twice the rows per byte, each
     probability within a factor exp(+-u |log p|) (u = 2^-11 / 2^-8). Only positions that are
     requested are computed. Returns [G] in float32 (float64 for float64 inputs); bf16/fp16 inputs
@@ -257,9 +257,9 @@ def chunked_token_logprobs(
         vocab_block = auto_vocab_block(weight.shape[0], min(chunk_size, hidden.shape[0]))
     if vocab_block < 1:
         raise CsdError(f"vocab_block must be at least 1, got {vocab_block}; leave it unset for the default.")
-    if keep_bytes < 0:
-        raise CsdError(f"keep_bytes must be 0 or more, got {keep_bytes}; set the loss memory budget to 0 or more.")
-    _keep_torch_dtype(keep_dtype)
+    if reuse_bytes < 0:
+        raise CsdError(f"reuse_bytes must be 0 or more, got {reuse_bytes}; set the loss memory budget to 0 or more.")
+    _keep_torch_dtype(reuse_dtype)
     positions = positions.to(device=hidden.device, dtype=torch.int64)
     tokens = tokens.to(device=hidden.device, dtype=torch.int64)
     if positions.numel() == 0:
@@ -270,8 +270,8 @@ def chunked_token_logprobs(
     _check_range(tokens, weight.shape[0], "token id")
     if _CHUNKED_FN is None:
         _CHUNKED_FN = _make_chunked_function()
-    return _CHUNKED_FN.apply(hidden, weight, positions, tokens, int(chunk_size), int(vocab_block), int(keep_bytes),
-                             keep_dtype)
+    return _CHUNKED_FN.apply(hidden, weight, positions, tokens, int(chunk_size), int(vocab_block), int(reuse_bytes),
+                             reuse_dtype)
 
 
 def auto_chunk_size(vocab_size: int) -> int:
@@ -285,7 +285,7 @@ def auto_vocab_block(vocab_size: int, chunk_size: int) -> int:
 
 
 def keep_bytes_for(budget_bytes: int, vocab_size: int, chunk_size: int | None = None, element_size: int = 4) -> int:
-    """`keep_bytes` from a memory budget for the loss's logits: the budget less the one block the loss
+    """`reuse_bytes` from a memory budget for the loss's logits: the budget less the one block the loss
     always holds (0 when the budget is smaller than a block)."""
     rows = chunk_size or auto_chunk_size(vocab_size)
     block = rows * auto_vocab_block(vocab_size, rows) * element_size

@@ -129,7 +129,7 @@ class CsdLoss(TrainingLoss):
                         global_ce_tokens=global_ce_tokens, global_chunk_counts=global_chunk_counts,
                         divergence=options["divergence"], beta=options["beta"],
                         teacher_temperature=options["teacher_temperature"], chunk_size=self._chunk_size(),
-                        keep_bytes=options["loss_keep_mb"] << 20, keep_dtype=options["loss_keep_dtype"],
+                        reuse_bytes=options["loss_reuse_mb"] << 20, reuse_dtype=options["loss_reuse_dtype"],
                         kd_scale=kd_scale)
 
 
@@ -182,10 +182,10 @@ class BaselineLoss(TrainingLoss):
 def cross_entropy_only(chunk_size: int | None = None) -> TrainingLoss:
     """The CE alone with the default loss options and `chunk_size` positions per row chunk (held-out scoring)."""
     from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE
-    from csd_pipeline.loss.token_logprobs import DEFAULT_KEEP_DTYPE
+    from csd_pipeline.loss.token_logprobs import DEFAULT_REUSE_DTYPE
 
     return CeLoss("ce", {"divergence": DEFAULT_DIVERGENCE, "beta": DEFAULT_BETA, "teacher_temperature": 1.0,
-                         "loss_chunk_size": chunk_size or 0, "loss_keep_mb": 0, "loss_keep_dtype": DEFAULT_KEEP_DTYPE})
+                         "loss_chunk_size": chunk_size or 0, "loss_reuse_mb": 0, "loss_reuse_dtype": DEFAULT_REUSE_DTYPE})
 
 
 def build_loss(name: str, options: dict) -> TrainingLoss:

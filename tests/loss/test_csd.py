@@ -498,7 +498,7 @@ def _dense_reference(h, w, pos, tok):
 )
 def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed, keep, block):
     """Values and gradients (h and W) of the chunked path equal dense autograd in float64, whether the
-    backward recomputes every block, reuses the ones kept within `keep_bytes`, or all, and whether
+    backward recomputes every block, reuses the ones kept within `reuse_bytes`, or all, and whether
     the vocabulary is one block or many (down to one id per block)."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(p, 6, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -506,7 +506,7 @@ def test_chunked_logprobs_equal_dense_float64(p, v, g, chunk, seed, keep, block)
     pos = torch.randint(0, p, (g,), generator=gen)
     tok = torch.randint(0, v, (g,), generator=gen)
     upstream = torch.randn(g, generator=gen, dtype=torch.float64)
-    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk, keep_bytes=keep, vocab_block=block)
+    out = chunked_token_logprobs(h, w, pos, tok, chunk_size=chunk, reuse_bytes=keep, vocab_block=block)
     (out * upstream).sum().backward()
     h2 = h.detach().clone().requires_grad_(True)
     w2 = w.detach().clone().requires_grad_(True)
@@ -554,7 +554,7 @@ def test_chunked_forward_saves_no_positions_by_vocab_tensor():
 
 
 def test_kept_chunks_are_not_recomputed(monkeypatch):
-    """keep_bytes: the forward keeps the first rows that fit (16,000 bytes per row of 4000 float32
+    """reuse_bytes: the forward keeps the first rows that fit (16,000 bytes per row of 4000 float32
     logits) and the backward forms logits only for the others (chunks of 16 rows, one vocabulary
     block); 767,999 bytes keep 47 rows, chunks of 16, 16 and 15, then 16, 16, 16 and 1 are formed
     twice; the results do not change."""
@@ -570,7 +570,7 @@ def test_kept_chunks_are_not_recomputed(monkeypatch):
     for keep, chunks_formed in ((0, 12), (2 * 256_000, 10), (2 * 256_000 + 255_999, 11), (10**9, 6)):
         formed.clear()
         hk, wk = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        out = chunked_token_logprobs(hk, wk, pos, tok, chunk_size=16, keep_bytes=keep)
+        out = chunked_token_logprobs(hk, wk, pos, tok, chunk_size=16, reuse_bytes=keep)
         out.sum().backward()
         assert len(formed) == chunks_formed, (keep, formed)
         results[keep] = (out.detach(), hk.grad, wk.grad)
@@ -579,8 +579,8 @@ def test_kept_chunks_are_not_recomputed(monkeypatch):
         assert torch.allclose(grad_w, results[0][2], atol=1e-5)
     assert token_logprobs.keep_bytes_for(3 * 256_000, 4000, 16) == 2 * 256_000
     assert token_logprobs.keep_bytes_for(100, 4000, 16) == 0
-    with pytest.raises(CsdError, match="keep_bytes"):
-        chunked_token_logprobs(h, w, pos, tok, keep_bytes=-1)
+    with pytest.raises(CsdError, match="reuse_bytes"):
+        chunked_token_logprobs(h, w, pos, tok, reuse_bytes=-1)
 
 
 @pytest.mark.gpu

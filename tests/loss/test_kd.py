@@ -24,8 +24,8 @@ from tests.csd_cases import ACCEPTED, PairCase, as_float, close, topk_from_dense
 TOL = 1e-10
 TOP_K = 16
 HIDDEN = 16
-OPTIONS = {"kd_combine": "sum", "teacher_temperature": 1.0, "loss_chunk_size": 0, "loss_keep_mb": 0,
-           "loss_keep_dtype": "float32"}
+OPTIONS = {"kd_combine": "sum", "teacher_temperature": 1.0, "loss_chunk_size": 0, "loss_reuse_mb": 0,
+           "loss_reuse_dtype": "float32"}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def args(data, output, *extra):
     return ["--aligned", str(data["eval"]), "--student-config", str(data["student_config"]),
             "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "2",
             "--seq-len", "128", "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "1",
-            "--keep-last", "1", "--workers", "0", "--no-progress", *extra]
+            "--save-total-limit", "1", "--workers", "0", "--no-progress", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_a_failed_dcp_write_is_caught_although_it_is_a_base_exception(trainer_da
     monkeypatch.setattr(dcp, "save", full_disk)
     output = tmp_path / "run"
     with pytest.raises(CsdError) as err:
-        train(parse_args(args(trainer_data, output, "--keep-last", "2")))
+        train(parse_args(args(trainer_data, output, "--save-total-limit", "2")))
     assert "step-2 failed (OSError: [Errno 28] No space left on device" in one_line(err)
     assert "step-1 is intact" in one_line(err)
     assert sorted(p.name for p in (output / "checkpoints").iterdir()) == ["step-1"]

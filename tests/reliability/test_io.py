@@ -84,7 +84,7 @@ def test_tables_build_into_a_read_only_folder(tmp_path):
 def train_args(aligned, student_config, output, *extra) -> list[str]:
     return ["trainer.main", "--aligned", aligned, "--student-config", student_config, "--student-tokenizer",
             "llama-spm", "--output", output, "--loss", "ce", "--steps", "3", "--seq-len", "128", "--batch-size", "2",
-            "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "1", "--keep-last", "1", "--workers", "0",
+            "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "1", "--save-total-limit", "1", "--workers", "0",
             "--no-progress", *map(str, extra)]
 
 

@@ -46,7 +46,7 @@ def test_sources_apply_in_order(tmp_path):
         (["--loss", "csd", "--teacher-logits", "T", "--kd-teachers", "0:x"], "--kd-teachers"),
         (["stray"], "stray"),
         (["--kd-combine", "best"], "--kd-combine"),
-        (["--loss-keep-dtype", "float8"], "--loss-keep-dtype"),
+        (["--loss-reuse-dtype", "float8"], "--loss-reuse-dtype"),
         (["--loss", "uld", "--teacher-logits", "T", "--kd-combine", "select"], "--kd-combine select.*--loss uld"),
         (["--loss", "csd", "--teacher-logits", "T", "--teacher-control", "shuffled", "--kd-combine", "select"],
          "--kd-combine select.*--teacher-control shuffled"),
@@ -95,3 +95,12 @@ def test_cli_error_is_one_line():
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: no student")
+
+
+@pytest.mark.parametrize("old, new", [("--loss-keep-mb", "loss_reuse_mb"), ("--keep-last", "save_total_limit"),
+                                      ("loss_keep_dtype=float32", "loss_reuse_dtype")])
+def test_a_renamed_option_names_its_new_name(old, new):
+    """Options renamed so that "keep" means only what a teacher store keeps: the old name is one line with the new."""
+    argv = [*BASE, *old.split("=")[:1], "1"] if old.startswith("--") else [*BASE, old]
+    with pytest.raises(CsdError, match=f"is now '{new}'"):
+        parse_args(argv)

@@ -140,13 +140,13 @@ def test_two_teachers_selected_per_group(trainer_data, trainer_teacher, csd_run,
 
 @pytest.mark.slow
 def test_loss_keep_dtype_reaches_the_loss(trainer_data, trainer_teacher, csd_run, tmp_path):
-    """`--loss-keep-mb --loss-keep-dtype float16` keeps 16-bit log-probabilities: the first step's CE and KD
+    """`--loss-reuse-mb --loss-reuse-dtype float16` keeps 16-bit log-probabilities: the first step's CE and KD
     (the forward) are the default run's; the gradient differs only by their rounding, so the loss stays close.
     (Over three steps: on some batches the rounding moves the first step's float32 gradient norm by nothing.)"""
     output = tmp_path / "run"
-    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--loss-keep-mb", "4096",
-                                    "--loss-keep-dtype", "float16"))
-    assert config.loss.loss_keep_dtype == "float16"
+    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--loss-reuse-mb", "4096",
+                                    "--loss-reuse-dtype", "float16"))
+    assert config.loss.loss_reuse_dtype == "float16"
     train(config)
     rows, references = metrics(output), metrics(csd_run)
     row, reference = rows[0], references[0]

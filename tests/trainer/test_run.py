@@ -38,7 +38,7 @@ def test_uninterrupted_run_learns_and_writes_its_outputs(reference_run):
     assert rows[-1]["ce"] < rows[0]["ce"] - 0.1
     for key in ("loss", "ce", "kd", "lr", "tokens_per_s", "chunks_1to1", "chunks_1toN", "chunks_Mto1", "chunks_MtoN"):
         assert key in rows[0]
-    assert [s for s, _ in checkpoint.complete_checkpoints(reference_run)] == [4, 5]  # keep_last 2
+    assert [s for s, _ in checkpoint.complete_checkpoints(reference_run)] == [4, 5]  # save_total_limit 2
     assert (reference_run / "config.yaml").is_file() and (reference_run / "export" / "model.safetensors").is_file()
     evaluation = [json.loads(line) for line in open(reference_run / "eval.jsonl", encoding="utf-8")]
     assert evaluation[-1]["step"] == 5 and 0 < evaluation[-1]["bits_per_byte"] < 20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from csd_pipeline.teacher.store.reader import TeacherTopkRow
-from trainer.loader import keep_most_likely
+from trainer.loader import most_likely_entries
 
 
 def test_keeps_the_n_most_likely_entries_of_every_position():
@@ -20,13 +20,13 @@ def test_keeps_the_n_most_likely_entries_of_every_position():
     row = TeacherTopkRow("r", np.take_along_axis(ids, shuffle, axis=1).astype(np.int32),
                          np.take_along_axis(stored, shuffle, axis=1).astype(np.float32),
                          logprobs[np.arange(positions), 0].astype(np.float32))
-    kept = keep_most_likely(row, 8)
+    kept = most_likely_entries(row, 8)
     assert kept.ids.shape == (positions, 8) and kept.logprobs.shape == (positions, 8)
     for p in range(positions):
         assert set(kept.ids[p].tolist()) == set(full_order[p, :8].tolist())  # a top-8 capture's ids
         np.testing.assert_allclose(kept.logprobs[p], logprobs[p, kept.ids[p]], rtol=1e-6)
     np.testing.assert_array_equal(kept.observed_logprob, row.observed_logprob)
-    assert keep_most_likely(row, 32) is row and keep_most_likely(row, 64) is row
+    assert most_likely_entries(row, 32) is row and most_likely_entries(row, 64) is row
 
 
 def test_variable_length_rows_keep_at_most_their_own_entries():
@@ -37,7 +37,7 @@ def test_variable_length_rows_keep_at_most_their_own_entries():
                          [-1.0, -1.5, -2.0, -2.5, -3.0, -3.5],
                          [-0.5, -1.2, -2.9, -np.inf, -np.inf, -np.inf]], np.float32)
     row = TeacherTopkRow("r", ids, logprobs, np.array([-0.01, -1.5, np.nan], np.float32), lengths=np.array([1, 6, 3]))
-    kept = keep_most_likely(row, 4)
+    kept = most_likely_entries(row, 4)
     assert kept.lengths.tolist() == [1, 4, 3]
     assert [kept.entries(t)[0].tolist() for t in range(3)] == [[7], [1, 2, 3, 4], [9, 8, 6]]
     assert kept.ids[0, 1:].tolist() == [-1, -1, -1] and np.isneginf(kept.logprobs[2, 3])

@@ -8,7 +8,7 @@ spelling), plus the observed token. Every other entry only adds to REST, which t
 1 minus the events' mass, so it need not be stored: the CSD events built from the kept entries are
 the events built from the whole top-k, to the bit.
 
-`event_entry_mask` marks those entries of one row; `keep_marked` moves them to the front of each
+`event_entry_mask` marks those entries of one row; `marked_first` moves them to the front of each
 position (most likely first) and sets the row's entry counts. A position keeps at least its most
 likely entry (the encoding stores n >= 1 entries): a position where nothing is read keeps just that.
 
@@ -76,7 +76,7 @@ def event_entry_mask(aligned_row, teacher_index: int, ids: np.ndarray, lengths: 
     return mask
 
 
-def keep_marked(result: TeacherTopkRow, mask: np.ndarray) -> TeacherTopkRow:
+def marked_first(result: TeacherTopkRow, mask: np.ndarray) -> TeacherTopkRow:
     """`result` with only the `mask`ed entries of each position (at least its most likely one), in their
     order (most likely first); lengths count them. The left-out entries follow with log-prob -inf (and
     their own ids, so the encoder's checks hold): the encoder stores each position's `lengths` most
@@ -99,7 +99,7 @@ def event_selector(aligned_rows: list, teacher_index: int, context):
 
     def select(row_index: int, result: TeacherTopkRow) -> TeacherTopkRow:
         mask = event_entry_mask(aligned_rows[row_index], teacher_index, result.ids, result.lengths, context)
-        return keep_marked(result, mask)
+        return marked_first(result, mask)
 
     return select
 

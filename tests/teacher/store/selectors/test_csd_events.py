@@ -19,7 +19,7 @@ from csd_pipeline.events.batch import SHAPE_1_1, SHAPE_1_N, SHAPE_M_1, chunk_sha
 from csd_pipeline.events.row_events import ACCEPTED, build_row_events, read_aligned_chunks
 from csd_pipeline.teacher.row import TeacherTopkRow
 from csd_pipeline.teacher.store.codec import decode_block, encode_block
-from csd_pipeline.teacher.store.selectors.csd_events import event_entry_mask, keep_marked
+from csd_pipeline.teacher.store.selectors.csd_events import event_entry_mask, marked_first
 from tests.csd_cases import PairCase, topk_from_dense
 
 TOP_K = 16
@@ -135,7 +135,7 @@ def test_stored_event_entries_give_the_events_and_loss_of_the_whole_top_k(case_o
     for row, topk in zip(case.rows, case.topk):
         full = TeacherTopkRow(row["row_id"], topk["ids"].astype(np.int64), topk["logprobs"].astype(np.float32),
                               topk["observed_logprob"].astype(np.float32))
-        kept = keep_marked(full, event_entry_mask(row, 0, full.ids, full.lengths, case.ctx))
+        kept = marked_first(full, event_entry_mask(row, 0, full.ids, full.lengths, case.ctx))
         assert kept.lengths.min() >= 1 and set(np.unique(kept.lengths).tolist()) > {1}
         for t, n in enumerate(kept.lengths.tolist()):  # the kept entries are a subsequence, most likely first
             assert set(kept.ids[t, :n].tolist()) <= set(full.ids[t].tolist())
@@ -194,7 +194,7 @@ def test_the_selector_declares_its_part_and_reads_it_back(trainer_data):
         logprobs = np.sort(-np.abs(rng.normal(6, 2, size=(len(ids), TOP_K))), axis=1)[:, ::-1].astype(np.float32)
         row = TeacherTopkRow(None, top, logprobs, np.full(len(ids), -3.0, np.float32))
         mask = event_entry_mask(aligned_rows[index], 0, top, row.lengths, events.event_context())
-        expected = keep_marked(row, mask)
+        expected = marked_first(row, mask)
         got = select(index, row)
         np.testing.assert_array_equal(got.ids, expected.ids)
         np.testing.assert_array_equal(got.lengths, expected.lengths)
