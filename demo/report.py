@@ -33,6 +33,7 @@ def write_report(out: Path, summary: dict) -> Path:
                f"Total time: {summary['seconds'] / 60:.1f} min.", "",
                "## Held-out bits per byte (lower is better)", "", "| model | bits/byte | vs CE only |", "|---|---|---|"]
     preface += [f"| {name} | {value:.4f} | {(value - ce) / ce:+.1%} |" for name, value in scores.items()] + [""]
+    preface += stage_times(summary.get("stage_seconds", {}), summary["seconds"])
     for title, columns in TASK_TABLES if summary.get("scores_tasks") else ():
         preface += [f"## Standard task {title}", "",
                     "lm-evaluation-harness, zero-shot, every item; ± the harness's standard error. The students' "
@@ -42,9 +43,24 @@ def write_report(out: Path, summary: dict) -> Path:
         preface += [f"| {name} | `{task}` | " + " | ".join(cells) + " |"
                     for name, task, *cells in task_rows(summary["scores_tasks"], columns)]
         preface += [""]
+    if summary.get("scores_tasks"):
+        from csd_pipeline.report.plots import task_bars
+
+        out.mkdir(parents=True, exist_ok=True)
+        figure = task_bars(summary["scores_tasks"], out, "demo-tasks.png")
+        preface += [f"![standard tasks, one bar per model]({figure})", ""] if figure else []
     report = write([out / name for name in FOLDERS], out, title="csd-pipeline demo report", preface=preface)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     return report
+
+
+def stage_times(seconds: dict[str, float], total: float) -> list[str]:
+    """The report's table of each stage's time (the demo's commands, as `demo.run` timed them)."""
+    if not seconds:
+        return []
+    lines = ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]
+    lines += [f"| {name} | {value:.1f} | {value / total:.0%} |" for name, value in seconds.items()]
+    return lines + [f"| all | {total:.1f} | |", ""]
 
 
 def task_rows(tasks: dict, columns: list[tuple[str, str]]) -> list[tuple[str, ...]]:

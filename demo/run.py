@@ -56,6 +56,17 @@ def recipe_args(arm: str) -> list[str]:
 TASKS = "csd_next_sentence,csd_heldout_devil"   # and the held-out text in bits per byte
 
 
+STAGE_SECONDS: dict[str, float] = {}   # stage title -> seconds of its commands (the report's time table)
+_stage = ["set-up"]
+
+
+def stage(title: str) -> None:
+    """Start a stage: print its title; the commands that follow count towards its time."""
+    _stage[0] = title.split(":")[0]
+    print(("\n" if STAGE_SECONDS else "") + f"== {title}", flush=True)
+    STAGE_SECONDS.setdefault(_stage[0], 0.0)
+
+
 def sh(cmd: list[str], *, capture: bool = False) -> str:
     """Print a command the way a user would type it, run it, stop the demo if it fails."""
     shown = " ".join(shlex.quote(str(c)) for c in cmd).replace(str(BIN) + "/", "").replace(str(ROOT) + "/", "")
@@ -66,7 +77,9 @@ def sh(cmd: list[str], *, capture: bool = False) -> str:
     if result.returncode != 0:
         print(f"demo: the command above failed (exit {result.returncode})", file=sys.stderr)
         sys.exit(result.returncode)
-    print(f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+    seconds = time.perf_counter() - started
+    STAGE_SECONDS[_stage[0]] = STAGE_SECONDS.get(_stage[0], 0.0) + seconds
+    print(f"  ({seconds:.1f} s)", flush=True)
     return result.stdout if capture else ""
 
 
@@ -87,14 +100,14 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     pipeline, train_cmds = tool("csd-pipeline"), tool("csd-train")
 
-    print("== 1. tables: byte-exact sub-token tables, both directions, then validate")
+    stage("1. tables: byte-exact sub-token tables, both directions, then validate")
     tables = out / "tables"
     s2t, t2s = tables / "student_to_teacher.safetensors", tables / "teacher_to_student.safetensors"
     sh([pipeline, "tables", "build-both", "--student-tokenizer", STUDENT_TOKENIZER,
         "--teacher-tokenizer", TEACHER_TOKENIZER, "--output-dir", tables])
     table_counts = json.loads(sh([pipeline, "tables", "inspect", s2t, "--json"], capture=True))
 
-    print("\n== 2. align: training and held-out documents, windows of at most 256 student tokens")
+    stage("2. align: training and held-out documents, windows of at most 256 student tokens")
     aligned, heldout = out / "aligned", out / "heldout"
     for corpus, target in (("demo/corpus/devil-train.jsonl", aligned), ("demo/corpus/devil-heldout.jsonl", heldout)):
         sh([pipeline, "align", "--corpus", corpus, "--student-tokenizer", STUDENT_TOKENIZER,
@@ -102,14 +115,14 @@ def main(argv: list[str]) -> int:
             "--max-student-tokens", str(WINDOW), "--max-teacher-tokens", str(WINDOW)])
     align_info = json.loads(sh([pipeline, "inspect", aligned, "--json"], capture=True))
 
-    print(f"\n== 3. teacher-logits: the teacher runs once; of its top-{TOP_K} the likeliest, and draws from the rest, "
+    stage(f"3. teacher-logits: the teacher runs once; of its top-{TOP_K} the likeliest, and draws from the rest, "
           "as far as CSD reads them, are stored")
     teacher_dir = out / "teacher"
     sh([pipeline, "teacher-logits", "--aligned", aligned, "--teacher", TEACHER, "--top-k", str(TOP_K), *STORE_ARGS,
         "--output", teacher_dir])
     teacher_info = json.loads(sh([pipeline, "inspect", teacher_dir, "--json"], capture=True))
 
-    print("\n== 4. train: a CSD student and a CE-only twin, identical but for the loss")
+    stage("4. train: a CSD student and a CE-only twin, identical but for the loss")
     config = "demo/student-config.json"
     for arm in ("csd", "ce"):
         sh([train_cmds, *recipe_args(arm), "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
@@ -117,7 +130,7 @@ def main(argv: list[str]) -> int:
             "--steps", str(args.steps), "--eval-aligned", heldout, "--eval-every", str(max(args.steps // 5, 1)),
             "--eval-tasks", TASKS])   # the tasks at the end only: each run costs minutes
 
-    print("\n== 5. held-out bits per byte (same bytes for every model)")
+    stage("5. held-out bits per byte (same bytes for every model)")
     scores = {}
     for name, model, side in (("teacher (SmolLM2-135M-Instruct)", TEACHER, "teacher0"),
                               ("student, CSD", out / "student-csd" / "export", "student"),
@@ -126,10 +139,14 @@ def main(argv: list[str]) -> int:
                                 "--seq-len", str(WINDOW), "--json"], capture=True))
         scores[name] = result["bits_per_byte"]
 
-    print(f"\n== 6. {TASKS} (lm-evaluation-harness): the teacher now; the students' final exports were scored by "
-          f"csd-train --eval-tasks")
+    stage(f"6. {TASKS} (lm-evaluation-harness): the teacher (its scores cached beside the fixtures); the students' "
+          f"final exports were scored by csd-train --eval-tasks")
     teacher_tasks = out / "teacher-tasks.json"
-    sh([pipeline, "evaluate", "--model", TEACHER, "--tasks", TASKS, "--output", teacher_tasks])
+    from csd_pipeline.fixtures.names import fixture_dir
+
+    # the same teacher on the same tasks every time: computed once per teacher, task files and lm-eval version
+    sh([pipeline, "evaluate", "--model", TEACHER, "--tasks", TASKS, "--output", teacher_tasks,
+        "--cache-dir", fixture_dir().parent / "task-scores"])
     from trainer.task_eval import RESULTS_DIR
     from trainer.task_eval import scores as task_scores
 
@@ -142,7 +159,7 @@ def main(argv: list[str]) -> int:
 
     summary = {"scores_bits_per_byte": scores, "scores_tasks": tasks, "align": align_info, "teacher": teacher_info,
                "tables": table_counts, "steps": args.steps, "csd_args": CSD_ARGS,
-               "seconds": time.perf_counter() - started}
+               "seconds": time.perf_counter() - started, "stage_seconds": dict(STAGE_SECONDS)}
     report = write_report(out, summary)
     print_summary(summary, report)
     return 0
@@ -166,6 +183,9 @@ def print_summary(summary: dict, report: Path) -> None:
     print("\n== accepted chunks by shape")
     for shape, n in shapes.items():
         print(f"  {shape:<5} {n:>7}  {n / total:6.1%}")
+    print("\n== time per stage")
+    for name, seconds in summary.get("stage_seconds", {}).items():
+        print(f"  {name:<34} {seconds:7.1f} s")
     print(f"\nreport: {report}   ({summary['seconds'] / 60:.1f} min in all)")
 
 

@@ -144,6 +144,54 @@ def evaluate(config: EvaluateConfig) -> dict:
     return results
 
 
+def task_files_sha256(include_paths: list[str]) -> str:
+    """One sha256 over every file of the project's task folder and of `include_paths` (names and bytes): a task's
+    YAML (with its `metadata: version`), data and code; any change gives another value."""
+    from csd_pipeline.runtime.files import bytes_sha256
+
+    parts = []
+    for root in (PROJECT_TASKS_DIR, *map(Path, include_paths)):
+        for path in sorted(p for p in Path(root).rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+            parts.append(f"{root.name}/{path.relative_to(root).as_posix()}\0{bytes_sha256(path.read_bytes())}\n")
+    return bytes_sha256("".join(parts).encode("utf-8"))
+
+
+def cache_key(config: EvaluateConfig) -> dict:
+    """What a cached result stands for: the model's weights, the tasks' files, the harness's version and every
+    option that changes a score."""
+    from importlib.metadata import version
+
+    from csd_pipeline.runtime.model_loading import model_fingerprint
+
+    model_args, device = model_arguments(config.model, config.device)
+    return {"model_sha256": model_fingerprint(Path(model_args["pretrained"]))["sha256"],
+            "tasks": sorted(config.tasks), "task_files_sha256": task_files_sha256(list(config.include_paths)),
+            "lm_eval": version("lm_eval"), "limit": config.limit, "batch_size": config.batch_size,
+            "num_fewshot": config.num_fewshot, "seed": config.seed, "device": device, "dtype": model_args["dtype"]}
+
+
+def evaluate_cached(config: EvaluateConfig, cache_dir: str | Path) -> tuple[dict, Path | None]:
+    """`evaluate(config)`, or its earlier results from `cache_dir` when the model, the tasks' files, the harness's
+    version and the options are the same (`cache_key`). Returns (results, the cache file reused or None)."""
+    from csd_pipeline.runtime.files import atomic_write_text, bytes_sha256
+
+    key = cache_key(config)
+    path = Path(cache_dir) / f"{bytes_sha256(json.dumps(key, sort_keys=True).encode('utf-8'))[:32]}.json"
+    if path.is_file():
+        try:
+            cached = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            cached = None   # unreadable: computed again and replaced
+        if isinstance(cached, dict) and cached.get("csd_pipeline", {}).get("cache_key") == key:
+            return cached, path
+    results = evaluate(config)
+    if results:
+        results["csd_pipeline"]["cache_key"] = key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(results, indent=2, sort_keys=True) + "\n")
+    return results, None
+
+
 def score_lines(results: dict) -> list[str]:
     """One line per task (and group) and metric: `task metric value ± stderr`."""
     lines = []

@@ -228,10 +228,12 @@ def _panels(count: int):
 
 def tasks(runs, out: Path, name: str, limit: int = 6) -> str | None:
     """lm-evaluation-harness scores at each task evaluation (`csd-train --eval-tasks`), ± the harness's standard
-    error: one panel per task and metric, one line per run."""
+    error: one panel per task and metric, one line per run; bars of the last scores when no run has two."""
     pairs = sorted({pair for run in runs for pair in run.task_metrics()})[:limit]
     if not pairs:
         return None
+    if all(len(run.task_series(*pair)[0]) <= 1 for run in runs for pair in pairs):
+        return task_bars({run.label: run.tasks[-1] for run in runs if run.tasks}, out, name, limit)
     fig, axes = _panels(len(pairs))
     for ax, (task, metric) in zip(axes.ravel(), pairs):
         for i, run in enumerate(runs):
@@ -246,6 +248,33 @@ def tasks(runs, out: Path, name: str, limit: int = 6) -> str | None:
     for ax in axes.ravel()[len(pairs):]:
         ax.set_visible(False)
     fig.suptitle("standard tasks on the export (bars: the harness's standard error)", fontsize=11)
+    return _save(fig, out, name)
+
+
+def task_bars(scores: dict[str, dict], out: Path, name: str, limit: int = 6) -> str | None:
+    """lm-evaluation-harness scores as one bar per model with the harness's standard error as its error bar: one
+    panel per task and metric. `scores`: model label -> {`eval/TASK/METRIC`: value, `..._stderr`: error}."""
+    keys = sorted({key for values in scores.values() for key in values
+                   if key.startswith("eval/") and not key.endswith("_stderr") and key.count("/") >= 2})[:limit]
+    if not keys:
+        return None
+    fig, axes = _panels(len(keys))
+    labels = list(scores)
+    for ax, key in zip(axes.ravel(), keys):
+        values = [float(scores[m].get(key, np.nan)) for m in labels]
+        errors = [float(scores[m].get(f"{key}_stderr", 0.0)) for m in labels]
+        bars = ax.bar(range(len(labels)), values, yerr=errors, capsize=4,
+                      color=[COLORS[i % len(COLORS)] for i in range(len(labels))])
+        for bar, value in zip(bars, values):
+            if value == value:
+                ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.3f}", ha="center", va="bottom",
+                        fontsize=7)
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=7)
+        ax.set_title(key.removeprefix("eval/").replace("/", " "), fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    for ax in axes.ravel()[len(keys):]:
+        ax.set_visible(False)
+    fig.suptitle("standard tasks (error bars: the harness's standard error)", fontsize=11)
     return _save(fig, out, name)
 
 

@@ -136,11 +136,17 @@ def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, 
     from csd_pipeline.evaluation.task_data import load_task_jsonl
 
     n = 2
-    output = tmp_path / "results.json"
-    code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_heldout_devil",
-                              "--limit", n, "--device", "cpu", "--output", output])
+    output, cache = tmp_path / "results.json", tmp_path / "cache"
+    command = ["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_heldout_devil", "--limit", n,
+               "--device", "cpu", "--output", output, "--cache-dir", cache]
+    code, out, err = run_cli(command)
     assert code == 0, err
+    assert "reused" not in out and len(list(cache.glob("*.json"))) == 1
     scores = json.loads(output.read_text())["results"]["csd_heldout_devil"]
+    output.unlink()
+    code, again, err = run_cli(command)   # the same model, task files, lm-eval and options: the cached scores
+    assert code == 0, err
+    assert "task scores reused from" in again and json.loads(output.read_text())["results"]["csd_heldout_devil"] == scores
     folder = model_path("smollm2-135m-instruct")
     documents = load_task_jsonl(Path(evaluation.__file__).parent / "tasks" / "heldout_text", "devil.jsonl")["test"]
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -157,3 +163,19 @@ def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, 
     mean_line = (f"csd_heldout_devil passage_bits_per_byte {scores['passage_bits_per_byte,none']:.4f} ± "
                  f"{scores['passage_bits_per_byte_stderr,none']:.4f}")
     assert mean_line in out and f"csd_heldout_devil bits_per_byte {scores['bits_per_byte,none']:.4f}" in out
+
+
+def test_the_task_cache_key_changes_with_any_task_file(tmp_path):
+    """A task's YAML, data or code changed in an include folder (or a file added) gives another key; the same
+    files give the same key."""
+    from csd_pipeline.evaluation.harness import task_files_sha256
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "mine.yaml").write_text("task: mine\nmetadata:\n  version: 1.0\n")
+    first = task_files_sha256([str(folder)])
+    assert task_files_sha256([str(folder)]) == first != task_files_sha256([])
+    (folder / "mine.yaml").write_text("task: mine\nmetadata:\n  version: 1.1\n")
+    second = task_files_sha256([str(folder)])
+    (folder / "data.jsonl").write_text("{}\n")
+    assert len({first, second, task_files_sha256([str(folder)])}) == 3
