@@ -2,5 +2,5 @@
 
 Each experiment (quality, pretrained, prune, teachers) is declared in recipes/experiments.yaml (regimes, store,
 arms as csd-train recipes, seeds) and read by `plan.py`; `runner.py` runs any of them (`python -m
-bench.experiments.<name>`); `results.py` writes docs/RESULTS.md's generated tables from their JSON results.
+bench.experiments.<name>`); `results.py` writes the generated tables of docs/RESULTS.md and docs/results/*.md from their JSON results.
 """

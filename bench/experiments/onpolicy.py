@@ -32,7 +32,7 @@ differences; `goal` checks the issue's bar (on-policy lowers the teacher's bits 
 by more than the spread, diversity and reference bits per byte within 2% of off-policy's). Written to
 OUT/report.json and `--results` (default bench-results/onpolicy.json), with each phase's seconds and an
 estimate of the full run's duration scaled from them (`estimate`). `--table FILE` only prints a results file's
-table (`table`: the block of docs/RESULTS.md).
+table (`table`: the block of docs/results/onpolicy.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Llama 2 SentencePiece tokenizer. Two regimes:
 
 Every arm uses the same recipe: batches of 2 windows of <= 256 tokens, learning rate 3e-3, 80 warm-up
 steps, cosine decay. Smaller batches (more steps for the same tokens) made CE better with plentiful
-data and CSD better in both regimes; CE with limited data over-fits whatever the batch (docs/RESULTS.md).
+data and CSD better in both regimes; CE with limited data over-fits whatever the batch (docs/results/quality.md).
 
 The teacher's top-128 is stored once per regime; arms that use fewer entries keep the most likely
 ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Default arms
@@ -28,7 +28,7 @@ draws, `t1` at temperature 1; `min0.05s64`: `--min-p 0.05 --tail-samples 64`); e
 when such an arm is chosen. A subset run adds its runs to quality.json, a full run replaces
 its regimes. Writes
 bench-results/quality.json (with each run's held-out curve and seconds) and quality.png, and prints the table (each
-seed, seed 0 vs CE's, the mean vs CE's; `table`, the block of docs/RESULTS.md).
+seed, seed 0 vs CE's, the mean vs CE's; `table`, the block of docs/results/quality.md).
 
 `--comparison` runs the other cross-tokenizer methods against CSD instead (`comparison_arms`): CE, the
 best CSD arm and csd_1to1, ULD, GOLD and CT-OPD's strict KD each at their published defaults plus a

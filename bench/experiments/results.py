@@ -1,22 +1,22 @@
-"""The generated tables of docs/RESULTS.md, written from the experiments' JSON results in docs/results/.
+"""The generated tables of docs/RESULTS.md and docs/results/*.md, written from the experiments' JSON results.
 
 Each generated block stands between two marker comments, `<!-- results NAME: ... -->` and `<!-- end of results
-NAME -->`; everything else in RESULTS.md is the hand-written log. The blocks (`blocks`): `current`, the opening
-summary (per experiment and regime: CE, the best arm, its margin); `quality` and `comparison`, the tables of `make
-bench-quality` and `make bench-compare` (docs/results/quality.json, comparison.json); `teachers-data-limited`,
-`teachers-data-rich` and `teachers-pretrained`, the regimes of `make bench-teachers` (teachers.json); `pretrained`
-and `prune`, the tables of `make bench-pretrained` and `make bench-prune`; `onpolicy`, the on-policy rounds of
-onpolicy-multilingual.json; and `diagnosis`, the held-out curves of pretrained-diagnosis.json. Each benchmark's
-block is the text of its module's own table function (`--table docs/results/<name>.json` prints the same; for
-the comparison `python -m bench.experiments.quality --comparison --table ...`). To publish a new measurement,
-copy its bench-results/<name>.json to docs/results/ and run this.
+NAME -->`, in the page `PAGES` names for it; everything else in those pages is hand-written. The blocks
+(`blocks`): `current`, RESULTS.md's summary (per experiment and regime: CE, the best arm, its margin); `quality`
+and `comparison`, the tables of `make bench-quality` and `make bench-compare` (docs/results/quality.json,
+comparison.json); `teachers-data-limited`, `teachers-data-rich` and `teachers-pretrained`, the regimes of `make
+bench-teachers` (teachers.json); `pretrained` and `prune`, the tables of `make bench-pretrained` and `make
+bench-prune`; `onpolicy`, the on-policy rounds of onpolicy-multilingual.json; and `diagnosis`, the held-out
+curves of pretrained-diagnosis.json. Each benchmark's block is the text of its module's own table function
+(`--table docs/results/<name>.json` prints the same; for the comparison `python -m bench.experiments.quality
+--comparison --table ...`). To publish a new measurement, copy its bench-results/<name>.json to docs/results/
+and run this.
 
-quality.json, comparison.json and teachers.json were transcribed from the hand-written tables of RESULTS.md
-(measured 2026-11-30 and 2026-12-01), because those runs' own files (bench-results/, which git ignores) were not
-kept: every record says so in its `source` field and holds only what the tables and their text state (bits per
-byte to four decimals, the teachers' scores, seconds per step where given), no curve, seconds or flags. Means,
-spreads and margins are computed from those four-decimal values, so a few differ in the last digit from the
-runs' own (RESULTS.md says which). The next run of a benchmark replaces its transcribed records.
+quality.json, comparison.json and teachers.json were transcribed from the hand-written tables of the results
+log (measured 2026-11-30 and 2026-12-01), because those runs' own files were not kept: every record says so in
+its `source` field and holds only what the tables stated (bits per byte to four decimals, the teachers' scores,
+seconds per step where given). Means, spreads and margins are computed from those four-decimal values, so a few
+differ in the last digit from the runs' own (the pages say which). The next run of a benchmark replaces them.
 
     python -m bench.experiments.results           # rewrite the blocks (make results)
     python -m bench.experiments.results --check   # exit 1 and name the stale blocks (tests/docs/test_results.py)
@@ -30,8 +30,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-RESULTS_MD = ROOT / "docs" / "RESULTS.md"
-RESULTS_DIR = ROOT / "docs" / "results"
+DOCS = ROOT / "docs"
+RESULTS_MD = DOCS / "RESULTS.md"
+RESULTS_DIR = DOCS / "results"
+# the page (relative to docs/) that holds each generated block
+PAGES = {"current": "RESULTS.md", "quality": "results/quality.md", "comparison": "results/comparison.md",
+         "teachers-data-limited": "results/teachers.md", "teachers-data-rich": "results/teachers.md",
+         "teachers-pretrained": "results/teachers.md", "pretrained": "results/pretrained.md",
+         "diagnosis": "results/pretrained.md", "prune": "results/prune.md", "onpolicy": "results/onpolicy.md"}
 COMMAND = "python -m bench.experiments.results"
 
 
@@ -89,7 +95,7 @@ def diagnosis(merged: dict) -> str:
 
 
 def blocks(results_dir: Path = RESULTS_DIR) -> dict[str, str]:
-    """Every generated block's text, from the JSON files in `results_dir`, in the order of RESULTS.md."""
+    """Every generated block's text, from the JSON files in `results_dir`."""
     from bench.experiments import onpolicy, pretrained, prune, quality, teachers
 
     def load(name: str) -> dict:
@@ -111,12 +117,12 @@ def markers(name: str) -> tuple[str, str]:
             f"<!-- end of results {name} -->")
 
 
-def with_blocks(text: str, generated: dict[str, str]) -> str:
-    """RESULTS.md's text with each block between its markers replaced by the generated one."""
+def with_blocks(text: str, generated: dict[str, str], page: str = "RESULTS.md") -> str:
+    """One page's text with each block of `generated` between its markers replaced by the generated one."""
     for name, block in generated.items():
         begin, end = markers(name)
         if text.count(begin) != 1 or text.count(end) != 1:
-            raise ValueError(f"{RESULTS_MD}: the markers of block {name!r} are missing or repeated; put {begin!r} "
+            raise ValueError(f"docs/{page}: the markers of block {name!r} are missing or repeated; put {begin!r} "
                              f"and {end!r} once around it")
         head, rest = text.split(begin, 1)
         _, tail = rest.split(end, 1)
@@ -124,9 +130,24 @@ def with_blocks(text: str, generated: dict[str, str]) -> str:
     return text
 
 
-def stale(text: str, generated: dict[str, str]) -> list[str]:
-    """The blocks whose text in RESULTS.md differs from what their JSON gives."""
-    return [name for name in generated if with_blocks(text, {name: generated[name]}) != text]
+def read_pages(docs: Path = DOCS) -> dict[str, str]:
+    """The text of every page that holds a generated block, by its path relative to docs/."""
+    return {page: (docs / page).read_text(encoding="utf-8") for page in dict.fromkeys(PAGES.values())}
+
+
+def updated(pages: dict[str, str], generated: dict[str, str]) -> dict[str, str]:
+    """The pages with every generated block put in its place (`PAGES`)."""
+    out = dict(pages)
+    for name, block in generated.items():
+        page = PAGES[name]
+        out[page] = with_blocks(out[page], {name: block}, page)
+    return out
+
+
+def stale(pages: dict[str, str], generated: dict[str, str]) -> list[str]:
+    """The blocks whose text in their page differs from what their JSON gives."""
+    return [name for name in generated
+            if with_blocks(pages[PAGES[name]], {name: generated[name]}, PAGES[name]) != pages[PAGES[name]]]
 
 
 def main(argv: list[str]) -> int:
@@ -134,21 +155,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--check", action="store_true", help="only say which blocks are stale (exit 1 if any)")
     args = parser.parse_args(argv)
     try:
-        text, generated = RESULTS_MD.read_text(encoding="utf-8"), blocks()
-        old = stale(text, generated)
-        new = with_blocks(text, generated)
+        pages, generated = read_pages(), blocks()
+        old = stale(pages, generated)
+        new = updated(pages, generated)
     except (ValueError, OSError, KeyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.check:
         if old:
-            print(f"error: docs/RESULTS.md: the block(s) {', '.join(old)} disagree with their JSON in docs/results/; "
-                  f"run `{COMMAND}`", file=sys.stderr)
+            where = ", ".join(f"{name} (docs/{PAGES[name]})" for name in old)
+            print(f"error: the block(s) {where} disagree with their JSON in docs/results/; run `{COMMAND}`",
+                  file=sys.stderr)
             return 1
         return 0
-    if new != text:
-        RESULTS_MD.write_text(new, encoding="utf-8")
-    print(f"docs/RESULTS.md: {', '.join(old) or 'no block'} rewritten")
+    for page, text in new.items():
+        if text != pages[page]:
+            (DOCS / page).write_text(text, encoding="utf-8")
+    print(f"docs: {', '.join(old) or 'no block'} rewritten")
     return 0
 
 

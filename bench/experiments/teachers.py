@@ -65,7 +65,7 @@ PRETRAINED = {**experiment("teachers").regimes["pretrained"], "student": "smollm
               "teachers": (TEACHERS[1],), "lr": "5e-5", "warmup": 5, "eval_points": 1}
 ALL_REGIMES = list(experiment("teachers").regimes)
 # The estimate printed before a run: seconds per step of a one-teacher CSD arm, measured with two runs side by
-# side on 2 CPU cores, one thread each (docs/RESULTS.md: 0.40-0.44 s from scratch, 7.8-7.9 s for SmolLM2-135M).
+# side on 2 CPU cores, one thread each (docs/results/teachers.md: 0.40-0.44 s from scratch, 7.8-7.9 s for SmolLM2-135M).
 SECONDS_PER_STEP_GUESS = {"data-limited": 0.4, "data-rich": 0.4, "pretrained": 8.0}
 
 

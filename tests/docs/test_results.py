@@ -1,4 +1,5 @@
-"""The generated tables of docs/RESULTS.md are what `python -m bench.experiments.results` makes of docs/results/*.json."""
+"""The generated tables of docs/RESULTS.md and docs/results/*.md are what `python -m bench.experiments.results` makes
+of docs/results/*.json."""
 
 from __future__ import annotations
 
@@ -11,26 +12,40 @@ from bench.experiments import results
 
 
 def test_every_generated_table_agrees_with_its_json():
-    text = results.RESULTS_MD.read_text(encoding="utf-8")
-    assert results.stale(text, results.blocks()) == [], "run `python -m bench.experiments.results`"
+    pages = results.read_pages()
+    assert results.stale(pages, results.blocks()) == [], "run `python -m bench.experiments.results`"
     assert results.main(["--check"]) == 0
-    assert text.index("<!-- results current:") < text.index("## The demo"), "RESULTS.md opens with the current results"
+    text = pages["RESULTS.md"]
+    assert text.index("<!-- results current:") < text.index("## The experiments"), "RESULTS.md opens with the table"
+
+
+def test_each_experiment_has_its_page_and_results_md_links_it():
+    """RESULTS.md is the table and a paragraph per experiment: every page of docs/results/ is linked from it, and
+    every block but the summary stands in its experiment's page."""
+    text = results.RESULTS_MD.read_text(encoding="utf-8")
+    for page in sorted(results.RESULTS_DIR.glob("*.md")):
+        assert f"](results/{page.name})" in text, f"RESULTS.md does not link {page.name}"
+    assert {page for name, page in results.PAGES.items() if name != "current"} <= \
+        {f"results/{page.name}" for page in results.RESULTS_DIR.glob("*.md")}
+    assert set(results.PAGES) == set(results.blocks())
 
 
 def test_a_changed_json_or_a_hand_edited_table_is_caught(tmp_path):
-    text = results.RESULTS_MD.read_text(encoding="utf-8")
+    pages = results.read_pages()
     folder = tmp_path / "results"
     shutil.copytree(results.RESULTS_DIR, folder)
     prune = json.loads((folder / "prune.json").read_text(encoding="utf-8"))
     ce = next(r for r in prune["results"] if r["arm"] == "ce")
     ce["bits_per_byte"] += 0.01
     (folder / "prune.json").write_text(json.dumps(prune), encoding="utf-8")
-    assert results.stale(text, results.blocks(folder)) == ["current", "prune"]
+    assert results.stale(pages, results.blocks(folder)) == ["current", "prune"]
+    text = pages["results/pretrained.md"]
     begin = text.index("<!-- results pretrained:")
     edited = text[:begin] + text[begin:].replace("1.5432", "1.5431", 1)
-    assert results.stale(edited, results.blocks()) == ["pretrained"]
-    with pytest.raises(ValueError, match="markers of block 'diagnosis'"):
-        results.with_blocks(text.replace("<!-- end of results diagnosis -->", ""), results.blocks())
+    assert results.stale({**pages, "results/pretrained.md": edited}, results.blocks()) == ["pretrained"]
+    broken = {**pages, "results/pretrained.md": text.replace("<!-- end of results diagnosis -->", "")}
+    with pytest.raises(ValueError, match="docs/results/pretrained.md: the markers of block 'diagnosis'"):
+        results.updated(broken, results.blocks())
 
 
 @pytest.mark.parametrize(("name", "where", "stale"), [
@@ -43,7 +58,7 @@ def test_a_changed_json_or_a_hand_edited_table_is_caught(tmp_path):
 def test_a_changed_number_in_a_new_json_is_caught(tmp_path, name, where, stale):
     """The tables transcribed into JSON (quality, comparison, teachers) and the on-policy one: a number changed in
     the file makes its block (and the summary, where the number is CE's or the best arm's) stale."""
-    text = results.RESULTS_MD.read_text(encoding="utf-8")
+    pages = results.read_pages()
     folder = tmp_path / "results"
     shutil.copytree(results.RESULTS_DIR, folder)
     merged = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
@@ -53,7 +68,7 @@ def test_a_changed_number_in_a_new_json_is_caught(tmp_path, name, where, stale):
         parent = parent[step]
     parent[key] += 0.01
     (folder / f"{name}.json").write_text(json.dumps(merged), encoding="utf-8")
-    assert results.stale(text, results.blocks(folder)) == stale
+    assert results.stale(pages, results.blocks(folder)) == stale
 
 
 @pytest.mark.parametrize("name", ["quality", "comparison", "teachers"])
