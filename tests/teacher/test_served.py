@@ -1,0 +1,115 @@
+"""The served teacher's reading of an answer and its refusals (csd_pipeline/teacher/served.py), without a server.
+
+The answers here have the shape of vLLM's completions answer with `prompt_logprobs` (one dict per prompt token,
+keyed by token id, first None), filled from a float64 log-softmax computed here, so each position's top-k and
+observed value are checked against a brute-force reference. The real-server tests are in test_served_server.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from csd_pipeline.errors import CsdError
+from csd_pipeline.teacher.served import ServedTeacherError, prompt_entries
+
+VOCAB = 300
+K = 8
+WHERE = "http://127.0.0.1:1"
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def vllm_answer(logprobs: np.ndarray, prompt: list[int], k: int) -> dict:
+    """A completions answer as vLLM writes it: prompt_logprobs[i] holds the top-k of the distribution that
+    predicts prompt token i (row i - 1 of `logprobs`) and token i itself, keyed by id as a string."""
+    entries = [None]
+    for i in range(1, len(prompt)):
+        row = logprobs[i - 1]
+        order = np.argsort(-row, kind="stable")
+        ranks = {int(token): rank + 1 for rank, token in enumerate(order)}
+        chosen = [int(t) for t in order[:k]]
+        if prompt[i] not in chosen:
+            chosen.append(prompt[i])
+        entries.append({str(t): {"logprob": float(row[t]), "rank": ranks[t], "decoded_token": "x"} for t in chosen})
+    return {"choices": [{"text": "", "prompt_logprobs": entries}]}
+
+
+@pytest.fixture
+def case():
+    """A row of 12 ids and the float64 log-softmax of each of its 13 prompt positions (row + one extra id)."""
+    generator = np.random.default_rng(0)
+    row = generator.integers(0, VOCAB, size=12)
+    logits = generator.normal(0.0, 3.0, size=(13, VOCAB))
+    logits[3, row[4]] += 20.0  # a position whose observed token leads
+    return row, log_softmax(logits)
+
+
+def test_entries_are_each_positions_top_k_and_the_observed_value(case):
+    row, logprobs = case
+    prompt = [int(i) for i in row] + [int(row[-1])]
+    ids, values, observed = prompt_entries(vllm_answer(logprobs, prompt, K), row, K, VOCAB, WHERE)
+    assert ids.shape == values.shape == (len(row), K)
+    for t in range(len(row)):
+        expected = np.argsort(-logprobs[t], kind="stable")[:K]
+        assert list(ids[t]) == list(expected)
+        np.testing.assert_allclose(values[t], logprobs[t, expected], atol=1e-6)
+    np.testing.assert_allclose(observed[:-1], logprobs[np.arange(len(row) - 1), row[1:]], atol=1e-6)
+    assert np.isnan(observed[-1])
+    outside = [t for t in range(len(row) - 1) if row[t + 1] not in ids[t]]
+    assert outside and row[4] in ids[3]  # both kinds of position occur (K + 1 entries and K)
+
+
+def test_fewer_entries_than_asked_are_refused_naming_the_server_and_the_fix(case):
+    row, logprobs = case
+    prompt = [int(i) for i in row] + [int(row[-1])]
+    answer = vllm_answer(logprobs, prompt, K - 2)
+    with pytest.raises(ServedTeacherError, match=r"returned \d+ entries at prompt position 1 for a top-8.*--max-logprobs 8"):
+        prompt_entries(answer, row, K, VOCAB, WHERE)
+
+
+def test_answers_of_another_shape_are_refused(case):
+    row, logprobs = case
+    prompt = [int(i) for i in row] + [int(row[-1])]
+    good = vllm_answer(logprobs, prompt, K)
+    shorter = {"choices": [{"prompt_logprobs": good["choices"][0]["prompt_logprobs"][1:]}]}
+    with pytest.raises(ServedTeacherError, match="for 12 prompt tokens, but the prompt had 13"):
+        prompt_entries(shorter, row, K, VOCAB, WHERE)
+    by_text = {"choices": [{"prompt_logprobs": [None] + [{"hello": -1.0}] * len(row)}]}
+    with pytest.raises(ServedTeacherError, match="not by a token id"):
+        prompt_entries(by_text, row, K, VOCAB, WHERE)
+    with pytest.raises(ServedTeacherError, match="without choices"):
+        prompt_entries({"choices": [{"logprobs": None}]}, row, K, VOCAB, WHERE)
+    with pytest.raises(ServedTeacherError, match="outside the teacher tokenizer"):
+        prompt_entries(good, row, K, VOCAB - 100, WHERE)  # some ids are beyond a smaller tokenizer
+
+
+def config(**options):
+    from csd_pipeline.teacher.config import TeacherLogitsConfig
+
+    return TeacherLogitsConfig(aligned="A", output="O", **{"teacher_server": "http://127.0.0.1:8000",
+                                                           "teacher_model": "m", **options})
+
+
+@pytest.mark.parametrize(("options", "fragment"), [
+    ({"tail_samples": 4}, "--tail-samples 4 draws from the teacher's whole distribution"),
+    ({"temperature": 2.0}, "--temperature 2.0: a server's prompt log-probabilities are at temperature 1"),
+    ({"teacher": "gemma3-270m"}, "both name a teacher"),
+    ({"teacher_model": None}, "needs --teacher-model"),
+    ({"teacher_server": "127.0.0.1:8000"}, "is not an http:// or https:// URL"),
+    ({"server_concurrency": 0}, "--server-concurrency 0 is not positive"),
+    ({"server_timeout": 0.0}, "--server-timeout 0.0 is not positive"),
+    ({"teacher_server": None, "teacher_model": None}, "no teacher: pass --teacher"),
+])
+def test_options_a_served_teacher_cannot_honour_are_refused_naming_them(options, fragment):
+    with pytest.raises(CsdError, match=None) as refused:
+        config(**options).validate()
+    assert fragment in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_min_p_and_top_p_are_allowed(case):
+    config(min_p=0.01, top_p=0.9).validate()
