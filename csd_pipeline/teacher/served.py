@@ -192,7 +192,10 @@ class ServedTeacher:
 
     def _http(self):
         if self._client is None:
-            import httpx
+            try:
+                import httpx
+            except ImportError:
+                raise ImportError("--teacher-server needs the httpx package: pip install 'csd-pipeline[serve]'") from None
 
             limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
             self._client = httpx.Client(timeout=self.timeout, limits=limits)

@@ -12,6 +12,7 @@ import pytest
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.teacher.served import ServedTeacherError, prompt_entries
+from tests.teacher.test_stage import aligned  # noqa: F401  (the real align stage's output, a module fixture)
 
 VOCAB = 300
 K = 8
@@ -113,3 +114,58 @@ def test_options_a_served_teacher_cannot_honour_are_refused_naming_them(options,
 
 def test_min_p_and_top_p_are_allowed(case):
     config(min_p=0.01, top_p=0.9).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole stage with a served teacher whose answers come from the tiny teacher (float64, computed here): the
+# store must read back as the in-process store does (same rows, same checks against the float64 reference, same
+# shard names and selector metadata). It checks the served path's wiring; the real server is test_served_server.py.
+
+
+def answer_from(model_dir):
+    """`_call(method, path, body)` of a served teacher whose model is `model_dir`, in float64."""
+    from tests.teacher.test_stage import VOCAB as TINY_VOCAB
+    from tests.teacher.test_stage import float64_reference
+
+    def call(self, method, path, body=None):
+        if method == "GET":
+            return {"data": [{"id": "tiny"}]}
+        prompt = np.asarray(body["prompt"], dtype=np.int64)
+        reference = float64_reference(model_dir, prompt)  # [len(prompt), output size], whole-output normaliser
+        real = np.full_like(reference, -np.inf)
+        real[:, :TINY_VOCAB] = reference[:, :TINY_VOCAB]  # padded output rows are never returned as entries
+        return vllm_answer(real, [int(i) for i in prompt], body["prompt_logprobs"])
+
+    return call
+
+
+@pytest.mark.parametrize("options", [{}, {"min_p": 0.05}])
+def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, tmp_path, monkeypatch, options):  # noqa: F811
+    from csd_pipeline import read_teacher_topk
+    from csd_pipeline.teacher.served import ServedTeacher
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
+    from tests.teacher.test_stage import K as TINY_K
+    from tests.teacher.test_stage import (
+        aligned_rows,
+        check_row_against_reference,
+        float64_reference,
+        run_stage,
+    )
+
+    monkeypatch.setattr(ServedTeacher, "_call", answer_from(tiny_teacher))
+    served, local = tmp_path / "served", tmp_path / "local"
+    config = TeacherLogitsConfig(aligned=str(aligned), output=str(served), teacher_server="http://127.0.0.1:1",
+                                 teacher_model="tiny", top_k=TINY_K, server_concurrency=3, **options)
+    assert run_teacher_logits(config, log=None).complete
+    assert run_stage(aligned, tiny_teacher, local, **options).complete
+    rows, expected = list(read_teacher_topk(served)), aligned_rows(aligned)
+    assert [r.row_id for r in rows] == [row_id for _, row_id, _ in expected] == [r.row_id for r in read_teacher_topk(local)]
+    for row, local_row, (_, _, ids) in zip(rows, read_teacher_topk(local), expected):
+        assert row.ok and list(row.lengths) == list(local_row.lengths)
+        if not options:
+            check_row_against_reference(row, ids, float64_reference(tiny_teacher, ids), TINY_K)
+    served_out, local_out = TeacherTopkOutput.open(served), TeacherTopkOutput.open(local)
+    assert [s["file"] for s in served_out.manifest["shards"]] == [s["file"] for s in local_out.manifest["shards"]]
+    assert served_out.selectors().names == local_out.selectors().names
+    assert served_out.manifest["teacher"]["served_model"] == "tiny"
