@@ -7,6 +7,9 @@ observed value are checked against a brute-force reference. The real-server test
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -31,11 +34,12 @@ def vllm_answer(logprobs: np.ndarray, prompt: list[int], k: int) -> dict:
     for i in range(1, len(prompt)):
         row = logprobs[i - 1]
         order = np.argsort(-row, kind="stable")
-        ranks = {int(token): rank + 1 for rank, token in enumerate(order)}
+        ranks = np.empty(len(order), dtype=np.int64)
+        ranks[order] = np.arange(1, len(order) + 1)
         chosen = [int(t) for t in order[:k]]
         if prompt[i] not in chosen:
             chosen.append(prompt[i])
-        entries.append({str(t): {"logprob": float(row[t]), "rank": ranks[t], "decoded_token": "x"} for t in chosen})
+        entries.append({str(t): {"logprob": float(row[t]), "rank": int(ranks[t]), "decoded_token": "x"} for t in chosen})
     return {"choices": [{"text": "", "prompt_logprobs": entries}]}
 
 
@@ -127,11 +131,14 @@ def answer_from(model_dir):
     from tests.teacher.test_stage import VOCAB as TINY_VOCAB
     from tests.teacher.test_stage import float64_reference
 
+    lock = threading.Lock()  # loading the float64 model sets torch's default dtype for every thread a moment
+
     def call(self, method, path, body=None):
         if method == "GET":
             return {"data": [{"id": "tiny"}]}
         prompt = np.asarray(body["prompt"], dtype=np.int64)
-        reference = float64_reference(model_dir, prompt)  # [len(prompt), output size], whole-output normaliser
+        with lock:
+            reference = float64_reference(model_dir, prompt)  # [len(prompt), output size], whole-output normaliser
         real = np.full_like(reference, -np.inf)
         real[:, :TINY_VOCAB] = reference[:, :TINY_VOCAB]  # padded output rows are never returned as entries
         return vllm_answer(real, [int(i) for i in prompt], body["prompt_logprobs"])
@@ -139,7 +146,7 @@ def answer_from(model_dir):
     return call
 
 
-@pytest.mark.parametrize("options", [{}, {"min_p": 0.05}])
+@pytest.mark.parametrize("options", [{}, pytest.param({"min_p": 0.05}, marks=pytest.mark.slow)])
 def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, tmp_path, monkeypatch, options):  # noqa: F811
     from csd_pipeline import read_teacher_topk
     from csd_pipeline.teacher.served import ServedTeacher
@@ -169,3 +176,37 @@ def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, 
     assert [s["file"] for s in served_out.manifest["shards"]] == [s["file"] for s in local_out.manifest["shards"]]
     assert served_out.selectors().names == local_out.selectors().names
     assert served_out.manifest["teacher"]["served_model"] == "tiny"
+
+
+# A command whose served teacher answers from a model folder (`answer_from`), then runs `csd-pipeline ARGS`.
+STAND_IN = ("import sys; from pathlib import Path; from tests.teacher.test_served import answer_from; "
+            "from csd_pipeline.teacher.served import ServedTeacher; ServedTeacher._call = answer_from(Path(sys.argv[1])); "
+            "from cli.main import main; main(sys.argv[2:])")
+
+
+@pytest.mark.slow
+def test_killed_after_a_shard_then_rerun_against_a_moved_server_gives_the_same_bytes(aligned, tiny_teacher, tmp_path):  # noqa: F811
+    """kill -9 (the executor's crash hook) after the first shard's marker, then a re-run with another URL and
+    concurrency: the output equals an uninterrupted run's, byte for byte (the URL is not part of the identity)."""
+    import subprocess
+    import sys
+
+    from csd_pipeline.runtime.executor import CRASH_ENV
+    from tests.reliability.cases import REPO, tree
+    from tests.teacher.test_stage import K as TINY_K
+
+    def command(output, url, concurrency, env=None):
+        args = ["teacher-logits", "--aligned", aligned, "--output", output, "--teacher-server", url, "--teacher-model",
+                "tiny", "--top-k", TINY_K, "--server-concurrency", concurrency, "--quiet"]
+        environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+        return subprocess.run([sys.executable, "-c", STAND_IN, str(tiny_teacher), *map(str, args)], cwd=REPO,
+                              env=environment, capture_output=True, text=True, timeout=300)
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert command(whole, "http://127.0.0.1:1", 4).returncode == 0
+    crashed = command(killed, "http://127.0.0.1:2", 2, {CRASH_ENV: "after_marker:1"})
+    assert crashed.returncode == -9 and not (killed / "manifest.json").exists()
+    assert len(list((killed / "done").glob("*.done"))) == 1
+    again = command(killed, "http://127.0.0.1:3", 1)
+    assert again.returncode == 0, again.stderr
+    assert tree(killed) == tree(whole)
