@@ -26,6 +26,10 @@ def selector_options(command):
 @click.command()
 @config_option(TeacherLogitsConfig, "aligned", type=click.Path(file_okay=False))
 @config_option(TeacherLogitsConfig, "teacher")
+@config_option(TeacherLogitsConfig, "teacher_server")
+@config_option(TeacherLogitsConfig, "teacher_model")
+@config_option(TeacherLogitsConfig, "server_concurrency")
+@config_option(TeacherLogitsConfig, "server_timeout")
 @config_option(TeacherLogitsConfig, "output", type=click.Path(file_okay=False))
 @config_option(TeacherLogitsConfig, "teacher_index")
 @selector_options

@@ -7,7 +7,7 @@ The click command (`cli/teacher_logits.py`) builds its flags from these fields. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.model_loading import DTYPES
@@ -23,7 +23,10 @@ class TeacherLogitsConfig:
     """Options of `csd-pipeline teacher-logits`."""
 
     aligned: str = option(help="Output directory of `csd-pipeline align`.")
-    teacher: str = option(help="The teacher model: a local Hugging Face folder, a GGUF file, a hub name or a fixture name.")
+    # keyword-only, so that it may default to "" (a served teacher, --teacher-server, needs none) before `output`
+    teacher: str = field(default="", kw_only=True, metadata={
+        "help": "The teacher model: a local Hugging Face folder, a GGUF file, a hub name or a fixture name (or "
+                "--teacher-server)."})
     output: str = option(help="Output directory (resumable).")
     teacher_index: int = option(0, "Which teacher of the aligned directory this model is (its teacher{i}_ids column).")
     top_k: int = option(32, "Entries kept per position (with --top-p: at most this many).", selector=True)
@@ -51,6 +54,12 @@ class TeacherLogitsConfig:
     trust_remote_code: bool = option(False, "Allow the model repository's own code (off by default).")
     block_positions: int = option(1 << 16, "Positions per encoded block (one Parquet row group); bigger compresses "
                                            "slightly better.")
+    teacher_server: str | None = option(
+        None, "Instead of --teacher: the URL of an OpenAI-compatible server that returns prompt log-probabilities of "
+              "token-id prompts (vLLM; e.g. http://127.0.0.1:8000); it receives each row's exact teacher ids.")
+    teacher_model: str | None = option(None, "With --teacher-server: the name the server serves the teacher under.")
+    server_concurrency: int = option(8, "With --teacher-server: requests in flight at once.")
+    server_timeout: float = option(600.0, "With --teacher-server: seconds to wait for one answer before failing.")
     check_tokenizer: bool = option(True, "Do not compare the teacher folder's tokenizer.json with the aligned teacher "
                                          "tokenizer.")
 
@@ -59,6 +68,13 @@ class TeacherLogitsConfig:
         from csd_pipeline.teacher.store.selectors import check_options
 
         check_options(self)  # each selector's options (`selector=True` fields), in its own file
+        if self.teacher_server:
+            from csd_pipeline.teacher.served import check_served_options
+
+            check_served_options(self)
+        elif not self.teacher:
+            raise CsdError("no teacher: pass --teacher (a model folder, GGUF file or fixture name) or --teacher-server "
+                           "URL with --teacher-model NAME.")
         if self.batch_tokens < 1:
             raise CsdError(f"--batch-tokens {self.batch_tokens} is not positive; pass e.g. {TeacherLogitsConfig.batch_tokens}.")
         if not self.temperature > 0:

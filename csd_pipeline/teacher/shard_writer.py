@@ -89,6 +89,10 @@ class TeacherShardWriter:
 
     def runner(self) -> TeacherRunner:
         """The runner of the teacher, loaded once."""
+        if self._runner is None and self.config.teacher_server:
+            from csd_pipeline.teacher.served import served_teacher
+
+            self._runner = served_teacher(self.config, self.chain, self.vocab_size)
         if self._runner is None:
             from csd_pipeline.runtime.model_loading import load_causal_lm
 

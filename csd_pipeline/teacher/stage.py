@@ -70,6 +70,9 @@ class TeacherLogitsStage(Stage):
         self.output_dir = location(config.output)
         self.chain = chain_from_config(asdict(config), self.aligned)
         check_output_dir(self.output_dir)  # before the teacher is loaded, which may take minutes
+        if config.teacher_server:
+            self._serve(log)
+            return
         self.device = resolve_device(config.device)
         self.dtype = str(resolve_dtype(config.dtype, self.device)).replace("torch.", "")
         deterministic_torch(str(self.device))
@@ -78,6 +81,16 @@ class TeacherLogitsStage(Stage):
                                      trust_remote_code=config.trust_remote_code)
         self._check_teacher(log)
         self.runner = teacher_runner(self.loaded, config, self.chain, self.tokenizer.size)
+
+    def _serve(self, log) -> None:
+        """The teacher is a server (--teacher-server): nothing is loaded here; the server must list the model."""
+        from csd_pipeline.teacher.served import served_teacher
+
+        self.loaded = None
+        self.dtype = "served"
+        log(f"teacher {self.config.teacher_model} served at {self.config.teacher_server}")
+        self.runner = served_teacher(self.config, self.chain, self.tokenizer.size)
+        self.device = self.runner.device
 
     def _check_teacher(self, log) -> None:
         """Refuse a teacher with fewer outputs than the aligned teacher tokenizer has ids, or whose own
@@ -119,6 +132,11 @@ class TeacherLogitsStage(Stage):
                 "logits_dtype": "float32", "device_type": self.device.type}
 
     def sources(self) -> dict:
+        if self.loaded is None:  # served: the model's name, not the URL (a restarted server may move)
+            teacher = {"served_model": self.config.teacher_model, "tokenizer_fingerprint": self.tokenizer.fingerprint,
+                       "tokenizer_size": self.tokenizer.size}
+            return {"teacher": teacher, "aligned": {"manifest_sha256": self.aligned.manifest_sha256(),
+                                                    "shards": len(self.aligned.shards)}}
         return {
             "teacher": {
                 "fingerprint": self.loaded.fingerprint["sha256"],
@@ -131,7 +149,11 @@ class TeacherLogitsStage(Stage):
         }
 
     def manifest_extra(self) -> dict:
-        # Recorded in run.json too, so it must not change between re-runs: absolute paths.
+        # Recorded in run.json too, so it must not change between re-runs: absolute paths (a served model's name).
+        if self.loaded is None:
+            return {"sources": {"aligned": str(self.aligned.directory.resolve()),
+                                "teacher": f"served:{self.config.teacher_model}",
+                                "teacher_tokenizer": self.tokenizer.name}}
         teacher = self.loaded.path.resolve() / (self.loaded.gguf_file or "")
         return {"sources": {"aligned": str(self.aligned.directory.resolve()), "teacher": str(teacher),
                             "teacher_tokenizer": self.tokenizer.name}}

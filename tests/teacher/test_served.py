@@ -1,0 +1,212 @@
+"""The served teacher's reading of an answer and its refusals (csd_pipeline/teacher/served.py), without a server.
+
+The answers here have the shape of vLLM's completions answer with `prompt_logprobs` (one dict per prompt token,
+keyed by token id, first None), filled from a float64 log-softmax computed here, so each position's top-k and
+observed value are checked against a brute-force reference. The real-server tests are in test_served_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from csd_pipeline.errors import CsdError
+from csd_pipeline.teacher.served import ServedTeacherError, prompt_entries
+from tests.teacher.test_stage import aligned  # noqa: F401  (the real align stage's output, a module fixture)
+
+VOCAB = 300
+K = 8
+WHERE = "http://127.0.0.1:1"
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def vllm_answer(logprobs: np.ndarray, prompt: list[int], k: int) -> dict:
+    """A completions answer as vLLM writes it: prompt_logprobs[i] holds the top-k of the distribution that
+    predicts prompt token i (row i - 1 of `logprobs`) and token i itself, keyed by id as a string."""
+    entries = [None]
+    for i in range(1, len(prompt)):
+        row = logprobs[i - 1]
+        order = np.argsort(-row, kind="stable")
+        ranks = np.empty(len(order), dtype=np.int64)
+        ranks[order] = np.arange(1, len(order) + 1)
+        chosen = [int(t) for t in order[:k]]
+        if prompt[i] not in chosen:
+            chosen.append(prompt[i])
+        entries.append({str(t): {"logprob": float(row[t]), "rank": int(ranks[t]), "decoded_token": "x"} for t in chosen})
+    return {"choices": [{"text": "", "prompt_logprobs": entries}]}
+
+
+@pytest.fixture
+def case():
+    """A row of 12 ids and the float64 log-softmax of each of its 13 prompt positions (row + one extra id)."""
+    generator = np.random.default_rng(0)
+    row = generator.integers(0, VOCAB, size=12)
+    logits = generator.normal(0.0, 3.0, size=(13, VOCAB))
+    logits[3, row[4]] += 20.0  # a position whose observed token leads
+    return row, log_softmax(logits)
+
+
+def test_entries_are_each_positions_top_k_and_the_observed_value(case):
+    row, logprobs = case
+    prompt = [int(i) for i in row] + [int(row[-1])]
+    ids, values, observed = prompt_entries(vllm_answer(logprobs, prompt, K), row, K, VOCAB, WHERE)
+    assert ids.shape == values.shape == (len(row), K)
+    for t in range(len(row)):
+        expected = np.argsort(-logprobs[t], kind="stable")[:K]
+        assert list(ids[t]) == list(expected)
+        np.testing.assert_allclose(values[t], logprobs[t, expected], atol=1e-6)
+    np.testing.assert_allclose(observed[:-1], logprobs[np.arange(len(row) - 1), row[1:]], atol=1e-6)
+    assert np.isnan(observed[-1])
+    outside = [t for t in range(len(row) - 1) if row[t + 1] not in ids[t]]
+    assert outside and row[4] in ids[3]  # both kinds of position occur (K + 1 entries and K)
+
+
+def test_fewer_entries_than_asked_are_refused_naming_the_server_and_the_fix(case):
+    row, logprobs = case
+    prompt = [int(i) for i in row] + [int(row[-1])]
+    answer = vllm_answer(logprobs, prompt, K - 2)
+    with pytest.raises(ServedTeacherError, match=r"returned \d+ entries at prompt position 1 for a top-8.*--max-logprobs 8"):
+        prompt_entries(answer, row, K, VOCAB, WHERE)
+
+
+def test_answers_of_another_shape_are_refused(case):
+    row, logprobs = case
+    prompt = [int(i) for i in row] + [int(row[-1])]
+    good = vllm_answer(logprobs, prompt, K)
+    shorter = {"choices": [{"prompt_logprobs": good["choices"][0]["prompt_logprobs"][1:]}]}
+    with pytest.raises(ServedTeacherError, match="for 12 prompt tokens, but the prompt had 13"):
+        prompt_entries(shorter, row, K, VOCAB, WHERE)
+    by_text = {"choices": [{"prompt_logprobs": [None] + [{"hello": -1.0}] * len(row)}]}
+    with pytest.raises(ServedTeacherError, match="not by a token id"):
+        prompt_entries(by_text, row, K, VOCAB, WHERE)
+    with pytest.raises(ServedTeacherError, match="without choices"):
+        prompt_entries({"choices": [{"logprobs": None}]}, row, K, VOCAB, WHERE)
+    with pytest.raises(ServedTeacherError, match="outside the teacher tokenizer"):
+        prompt_entries(good, row, K, VOCAB - 100, WHERE)  # some ids are beyond a smaller tokenizer
+
+
+def config(**options):
+    from csd_pipeline.teacher.config import TeacherLogitsConfig
+
+    return TeacherLogitsConfig(aligned="A", output="O", **{"teacher_server": "http://127.0.0.1:8000",
+                                                           "teacher_model": "m", **options})
+
+
+@pytest.mark.parametrize(("options", "fragment"), [
+    ({"tail_samples": 4}, "--tail-samples 4 draws from the teacher's whole distribution"),
+    ({"temperature": 2.0}, "--temperature 2.0: a server's prompt log-probabilities are at temperature 1"),
+    ({"teacher": "gemma3-270m"}, "both name a teacher"),
+    ({"teacher_model": None}, "needs --teacher-model"),
+    ({"teacher_server": "127.0.0.1:8000"}, "is not an http:// or https:// URL"),
+    ({"server_concurrency": 0}, "--server-concurrency 0 is not positive"),
+    ({"server_timeout": 0.0}, "--server-timeout 0.0 is not positive"),
+    ({"teacher_server": None, "teacher_model": None}, "no teacher: pass --teacher"),
+])
+def test_options_a_served_teacher_cannot_honour_are_refused_naming_them(options, fragment):
+    with pytest.raises(CsdError, match=None) as refused:
+        config(**options).validate()
+    assert fragment in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_min_p_and_top_p_are_allowed(case):
+    config(min_p=0.01, top_p=0.9).validate()
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole stage with a served teacher whose answers come from the tiny teacher (float64, computed here): the
+# store must read back as the in-process store does (same rows, same checks against the float64 reference, same
+# shard names and selector metadata). It checks the served path's wiring; the real server is test_served_server.py.
+
+
+def answer_from(model_dir):
+    """`_call(method, path, body)` of a served teacher whose model is `model_dir`, in float64."""
+    from tests.teacher.test_stage import VOCAB as TINY_VOCAB
+    from tests.teacher.test_stage import float64_reference
+
+    lock = threading.Lock()  # loading the float64 model sets torch's default dtype for every thread a moment
+
+    def call(self, method, path, body=None):
+        if method == "GET":
+            return {"data": [{"id": "tiny"}]}
+        prompt = np.asarray(body["prompt"], dtype=np.int64)
+        with lock:
+            reference = float64_reference(model_dir, prompt)  # [len(prompt), output size], whole-output normaliser
+        real = np.full_like(reference, -np.inf)
+        real[:, :TINY_VOCAB] = reference[:, :TINY_VOCAB]  # padded output rows are never returned as entries
+        return vllm_answer(real, [int(i) for i in prompt], body["prompt_logprobs"])
+
+    return call
+
+
+@pytest.mark.parametrize("options", [{}, pytest.param({"min_p": 0.05}, marks=pytest.mark.slow)])
+def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, tmp_path, monkeypatch, options):  # noqa: F811
+    from csd_pipeline import read_teacher_topk
+    from csd_pipeline.teacher.served import ServedTeacher
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
+    from tests.teacher.test_stage import K as TINY_K
+    from tests.teacher.test_stage import (
+        aligned_rows,
+        check_row_against_reference,
+        float64_reference,
+        run_stage,
+    )
+
+    monkeypatch.setattr(ServedTeacher, "_call", answer_from(tiny_teacher))
+    served, local = tmp_path / "served", tmp_path / "local"
+    config = TeacherLogitsConfig(aligned=str(aligned), output=str(served), teacher_server="http://127.0.0.1:1",
+                                 teacher_model="tiny", top_k=TINY_K, server_concurrency=3, **options)
+    assert run_teacher_logits(config, log=None).complete
+    assert run_stage(aligned, tiny_teacher, local, **options).complete
+    rows, expected = list(read_teacher_topk(served)), aligned_rows(aligned)
+    assert [r.row_id for r in rows] == [row_id for _, row_id, _ in expected] == [r.row_id for r in read_teacher_topk(local)]
+    for row, local_row, (_, _, ids) in zip(rows, read_teacher_topk(local), expected):
+        assert row.ok and list(row.lengths) == list(local_row.lengths)
+        if not options:
+            check_row_against_reference(row, ids, float64_reference(tiny_teacher, ids), TINY_K)
+    served_out, local_out = TeacherTopkOutput.open(served), TeacherTopkOutput.open(local)
+    assert [s["file"] for s in served_out.manifest["shards"]] == [s["file"] for s in local_out.manifest["shards"]]
+    assert served_out.selectors().names == local_out.selectors().names
+    assert served_out.manifest["teacher"]["served_model"] == "tiny"
+
+
+# A command whose served teacher answers from a model folder (`answer_from`), then runs `csd-pipeline ARGS`.
+STAND_IN = ("import sys; from pathlib import Path; from tests.teacher.test_served import answer_from; "
+            "from csd_pipeline.teacher.served import ServedTeacher; ServedTeacher._call = answer_from(Path(sys.argv[1])); "
+            "from cli.main import main; main(sys.argv[2:])")
+
+
+@pytest.mark.slow
+def test_killed_after_a_shard_then_rerun_against_a_moved_server_gives_the_same_bytes(aligned, tiny_teacher, tmp_path):  # noqa: F811
+    """kill -9 (the executor's crash hook) after the first shard's marker, then a re-run with another URL and
+    concurrency: the output equals an uninterrupted run's, byte for byte (the URL is not part of the identity)."""
+    import subprocess
+    import sys
+
+    from csd_pipeline.runtime.executor import CRASH_ENV
+    from tests.reliability.cases import REPO, tree
+    from tests.teacher.test_stage import K as TINY_K
+
+    def command(output, url, concurrency, env=None):
+        args = ["teacher-logits", "--aligned", aligned, "--output", output, "--teacher-server", url, "--teacher-model",
+                "tiny", "--top-k", TINY_K, "--server-concurrency", concurrency, "--quiet"]
+        environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+        return subprocess.run([sys.executable, "-c", STAND_IN, str(tiny_teacher), *map(str, args)], cwd=REPO,
+                              env=environment, capture_output=True, text=True, timeout=300)
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert command(whole, "http://127.0.0.1:1", 4).returncode == 0
+    crashed = command(killed, "http://127.0.0.1:2", 2, {CRASH_ENV: "after_marker:1"})
+    assert crashed.returncode == -9 and not (killed / "manifest.json").exists()
+    assert len(list((killed / "done").glob("*.done"))) == 1
+    again = command(killed, "http://127.0.0.1:3", 1)
+    assert again.returncode == 0, again.stderr
+    assert tree(killed) == tree(whole)
