@@ -25,6 +25,7 @@ LOSSES = {
     "gold": "csd_pipeline.loss.training:BaselineLoss",
     "strict": "csd_pipeline.loss.training:BaselineLoss",
     "kd": "csd_pipeline.loss.kd:KdLoss",
+    "alm": "csd_pipeline.loss.alm:AlmLoss",
 }
 
 
