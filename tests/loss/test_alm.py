@@ -210,3 +210,31 @@ def test_a_store_without_exact_entries_needs_no_debias():
             loss.check_teacher(None, output)
         assert "\n" not in str(err.value)
         build_loss("alm", {**OPTIONS, "alm_debias": False}).check_teacher(None, output)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["--kd-scale", "fixed", "--kd-weight", "0.5"], ["--no-alm-debias"]],
+                         ids=["fixed-0.5", "no-debias"])
+def test_csd_train_alm_matches_the_direct_loss(trainer_data, trainer_teacher, tmp_path, one_thread, extra):
+    """Two steps of `csd-train --loss alm` (FSDP2, checkpointed whitespace rows, float32) on real teacher top-k
+    (SmolLM2-135M-Instruct): the first logs the CE and KD of the direct float64 loss on the same first batch, and
+    the loss its --kd-scale says; the student is exported."""
+    from tests.trainer_cases import direct_first_batch_loss, kd_run_args, metrics
+    from trainer.loop import train
+    from trainer.options import parse_args
+
+    output = tmp_path / "run"
+    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--loss", "alm", *extra, steps=2))
+    train(config)
+    rows = metrics(output)
+    row = rows[0]
+    assert len(rows) == 2 and row["kd"] > 0 and row["chunks_1to1"] > 0
+    assert row["chunks_1toN"] + row["chunks_Mto1"] + row["chunks_MtoN"] > 0
+    out, batch = direct_first_batch_loss(config)
+    assert row["ce"] == pytest.approx(float(out.ce), rel=1e-5) and row["kd"] == pytest.approx(float(out.kd), rel=1e-4)
+    assert row["chunks_1to1"] == batch.shape_counts[0][0]
+    scale = config.loss.kd_weight if config.loss.kd_scale == "fixed" else row["ce"] / row["kd"]
+    assert row["kd_scale"] == pytest.approx(scale, rel=1e-9)
+    assert row["loss"] == pytest.approx(row["ce"] + scale * row["kd"], rel=1e-9)
+    assert 0 < row["teacher_event_mass"] < 1 and row["divergence_per_chunk"] > 0
+    assert (output / "export" / "model.safetensors").is_file()
