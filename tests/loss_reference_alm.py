@@ -16,6 +16,7 @@ import numpy as np
 from tests.loss_reference import ReferenceVocab
 
 EPSILON = 1e-6  # tokenkit's, subtracted from log p / tau on both sides
+SPACE_FLOOR = 1e-6  # the teacher's stored whitespace mass is taken as at least this
 
 
 def whitespace_ids(vocab: ReferenceVocab) -> np.ndarray:
@@ -42,15 +43,16 @@ def bce(p_t, p_s, temperature: float):
 def reference_alm_loss(logits: list, rows: list, tops: list, student_vocab: ReferenceVocab,
                        teacher_vocab: ReferenceVocab, *, temperature: float = 100.0, debias: bool = True,
                        chunk_weights=None) -> dict:
-    """{"loss", "ce", "kd", "chunks", "p_t", "p_s"}: L = CE + KD (kd scale fixed at 1), both means, float64.
+    """{"loss", "ce", "kd", "chunks", "p_t", "p_s", "p_t_chunk"}: L = CE + KD (kd scale fixed at 1), both means, float64.
 
     logits: per row, dense student logits [S, V] (requires_grad for gradients); rows: aligned rows; tops:
     per row the stored teacher top-k dict (ids, logprobs, observed_logprob; optional status). chunk_weights:
-    optional fn(log p_T, log p_S detached) -> weight of the chunk's term."""
+    optional fn(log p_T, log p_S detached) -> weight of the chunk's term, from the chunk's own tokens (no
+    whitespace terms)."""
     import torch
 
     ws_s, ws_t = whitespace_ids(student_vocab), whitespace_ids(teacher_vocab)
-    ce_sum, kd_sum, ce_count, count, p_ts, p_ss = 0.0, 0.0, 0, 0, [], []
+    ce_sum, kd_sum, ce_count, count, p_ts, p_ss, p_chunk = 0.0, 0.0, 0, 0, [], [], []
     for x, row, top in zip(logits, rows, tops, strict=True):
         probs = torch.softmax(x, dim=-1)
         sid = [int(v) for v in row["student_ids"]]
@@ -74,6 +76,8 @@ def reference_alm_loss(logits: list, rows: list, tops: list, student_vocab: Refe
             for r in range(m):
                 p_s = p_s * probs[s - 1 + r, sid[s + r]]
             p_t = math.exp(min(sum(observed[t - 1:t + n - 1]), 0.0))
+            p_chunk.append(p_t)
+            weight = 1.0 if chunk_weights is None else chunk_weights(math.log(p_t), float(torch.log(p_s.detach())))
             if debias:
                 p_s = p_s * probs[s + m - 1][torch.as_tensor(ws_s[:probs.shape[1]])].sum()
                 last = t + n - 1
@@ -81,14 +85,13 @@ def reference_alm_loss(logits: list, rows: list, tops: list, student_vocab: Refe
                           if math.isfinite(float(lp)) and int(v) >= 0}
                 if last + 1 < len(tid) and math.isfinite(observed[last]):
                     stored.setdefault(tid[last + 1], math.exp(observed[last]))
-                p_t = p_t * min(sum(q for v, q in stored.items() if ws_t[v]), 1.0)
-            term = bce(p_t, p_s, temperature)
-            if chunk_weights is not None:
-                term = term * chunk_weights(math.log(p_t) if p_t > 0 else -math.inf, float(torch.log(p_s.detach())))
+                p_t = p_t * min(max(sum(q for v, q in stored.items() if ws_t[v]), SPACE_FLOOR), 1.0)
+            term = bce(p_t, p_s, temperature) * weight
             kd_sum = kd_sum + term
             count += 1
             p_ts.append(p_t)
             p_ss.append(float(p_s.detach()))
     ce = ce_sum / ce_count
     kd = kd_sum / count if count else torch.zeros((), dtype=torch.float64)
-    return {"loss": ce + kd, "ce": ce, "kd": kd, "chunks": count, "p_t": p_ts, "p_s": p_ss}
+    return {"loss": ce + kd, "ce": ce, "kd": kd, "chunks": count, "p_t": p_ts, "p_s": p_ss,
+            "p_t_chunk": p_chunk}

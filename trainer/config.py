@@ -20,6 +20,11 @@ from csd_pipeline.errors import CsdError
 from csd_pipeline.events.baseline_rows import TEACHER_CONTROLS
 from csd_pipeline.events.batch import DEFAULT_SPELLING, SPELLING_MODES
 from csd_pipeline.loss.alm import DEFAULT_ALM_TEMPERATURE
+from csd_pipeline.loss.chunk_weights import (
+    DEFAULT_CHUNK_WEIGHT_MAX,
+    DEFAULT_CHUNK_WEIGHT_SCALE,
+    KD_CHUNK_WEIGHTS,
+)
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
 from csd_pipeline.loss.token_logprobs import DEFAULT_REUSE_DTYPE, REUSE_DTYPES
 from csd_pipeline.loss.training import LOSSES
@@ -156,6 +161,14 @@ class LossConfig:
                                     "that the next token starts with whitespace (tokenkit's append_space; needs a store "
                                     "of exact top-k entries); --no-alm-debias: the chunks' own tokens only",
                               trajectory=True)
+    kd_chunk_weight: str = option("none", "weigh each chunk's KD term by the teacher's advantage on its text: advantage "
+                                          "(w = clamp((log p_T - log p_S) / scale, 0, max), the student side detached; "
+                                          "--loss csd, csd_1to1, alm) or none", trajectory=True,
+                                  choices=KD_CHUNK_WEIGHTS)
+    kd_chunk_weight_scale: float = option(DEFAULT_CHUNK_WEIGHT_SCALE, "--kd-chunk-weight advantage: the teacher "
+                                          "advantage, in nats over the chunk, that weighs 1", trajectory=True)
+    kd_chunk_weight_max: float = option(DEFAULT_CHUNK_WEIGHT_MAX, "--kd-chunk-weight advantage: the largest weight",
+                                        trajectory=True)
     teacher_control: str = option("none", "shuffled: give each stored teacher row to another position of the batch "
                                         "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
     loss_chunk_size: int = option(0, "positions per row chunk of the student log-softmax (0: auto, 2,048; the "

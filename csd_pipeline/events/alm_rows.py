@@ -10,8 +10,8 @@ this module keeps, as flat numpy arrays like `BatchEvents`:
 - with debiasing: the student position of the chunk's last token (`end_pos`, whose next-token row the
   loss reads) and the teacher's log-probability that the token after the chunk starts with whitespace or
   is a special token, from what the store has at the chunk's last teacher position: its stored entries
-  plus the observed next token where they lack it. That is a lower bound of the whole distribution's
-  mass (tokenkit sums the whole row; docs give the measured gap).
+  plus the observed next token where they lack it, at least TEACHER_SPACE_FLOOR. That is a lower bound of the
+  whole distribution's mass (tokenkit sums the whole row; `tests/loss/alm_debias_measure.py` measures the gap).
 
 The whitespace masks (`space_mask`) follow tokenkit's `get_space_mask` with its default mode
 "space+tab+newline+special": a token whose first byte is a space, a tab or a newline, or a (trusted)
@@ -30,6 +30,11 @@ from csd_pipeline.events.batch import chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks, teacher_positions
 
 WHITESPACE_FIRST_BYTES = (0x20, 0x09, 0x0A)  # tokenkit's space_mask_mode "space+tab+newline" (+ "special")
+# The teacher's whitespace mass is taken as at least this. The stored entries cannot rule out whitespace tokens
+# outside them, and a mass of 0 makes y_T = 0 for a chunk whose true y_T = p^(1/100) is near 1 (a whole-row mass of
+# 1e-6 gives 0.87): with Gemma 3 on German, 9% of chunk ends store no whitespace token in the top-128, and those
+# chunks alone turned the gradient away from the whole-row one (cosine 0.36; 0.92 with this floor).
+TEACHER_SPACE_FLOOR = 1e-6
 
 _SPACE_MASKS: dict[str, np.ndarray] = {}  # by vocabulary fingerprint
 
@@ -54,7 +59,7 @@ class AlmRows:
     int64 [G] the student's tokens of each chunk and the positions that predict them; teacher_logp:
     float64 [C] the teacher's chunk log-likelihood; end_pos: int64 [C] the student position of each
     chunk's last token; teacher_space_logp: float64 [C] log of the teacher's stored mass on whitespace-
-    starting tokens after the chunk (-inf: none stored; 0 when `debias` is off); student_space: bool [Vs]
+    starting tokens after the chunk (at least log TEACHER_SPACE_FLOOR; 0 when `debias` is off); student_space: bool [Vs]
     the student's whitespace mask; debias: whether the loss adds the whitespace terms; stats: counters.
     """
 
@@ -105,14 +110,15 @@ def _empty(student_space, debias: bool, stats: dict | None = None) -> AlmRows:
 def teacher_space_logp(ids: np.ndarray, logprobs: np.ndarray, next_id: int, next_logp: float,
                        mask: np.ndarray) -> float:
     """log of the teacher's mass on whitespace ids among one position's stored entries (`ids`, `logprobs`, the
-    real ones), plus the observed next token (`next_id`, -1: none) where they lack it; -inf when none is stored."""
+    real ones), plus the observed next token (`next_id`, -1: none) where they lack it; at least
+    log TEACHER_SPACE_FLOOR, at most 0."""
     inside = (ids >= 0) & (ids < len(mask))
     values = logprobs[inside & mask[np.where(inside, ids, 0)] & np.isfinite(logprobs)]
     if 0 <= next_id < len(mask) and mask[next_id] and next_id not in ids and np.isfinite(next_logp):
         values = np.append(values, next_logp)
     if values.size == 0:
-        return -np.inf
-    return float(min(np.logaddexp.reduce(values), 0.0))
+        return float(np.log(TEACHER_SPACE_FLOOR))
+    return float(min(max(np.logaddexp.reduce(values), np.log(TEACHER_SPACE_FLOOR)), 0.0))
 
 
 def build_alm_rows(aligned_row, teacher_index: int, teacher, context, *, debias: bool = True,

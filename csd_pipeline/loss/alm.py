@@ -125,10 +125,12 @@ def alm_divergence(chain_logprobs, student_space, rows, *, temperature: float = 
 def alm_loss(*, ce_positions, ce_tokens, teachers: Sequence = (), hidden=None, weight=None, logits=None,
              teacher_weights=None, global_ce_tokens=None, global_chunk_counts=None,
              temperature: float = DEFAULT_ALM_TEMPERATURE, chunk_size=None, reuse_bytes: int = 0,
-             reuse_dtype: str = "float32", kd_scale=None) -> LossOutput:
+             reuse_dtype: str = "float32", kd_scale=None, chunk_weighting=None) -> LossOutput:
     """CE + ALM for one batch. teachers: one `AlmRows` per teacher (numpy or on the device). Give either
-    `hidden` [P, H] and `weight` [V, H] (chunked path) or `logits` [P, V]. Other arguments as
-    `loss.csd.csd_loss`. Raises CsdError on a temperature that is not positive or bad inputs."""
+    `hidden` [P, H] and `weight` [V, H] (chunked path) or `logits` [P, V]. chunk_weighting: (scale, cap) of
+    `--kd-chunk-weight advantage` (the chunks' own tokens on both sides, without the whitespace terms), None:
+    every chunk weighs 1. Other arguments as `loss.csd.csd_loss`. Raises CsdError on a temperature that is not
+    positive or bad inputs."""
     import math
 
     if not (temperature > 0 and math.isfinite(temperature)):
@@ -144,7 +146,13 @@ def alm_loss(*, ce_positions, ce_tokens, teachers: Sequence = (), hidden=None, w
         if rows.debias and rows.num_chunks:
             space = student_space_logmass(rows.end_pos, rows.student_space, hidden=hidden, weight=weight,
                                           logits=logits, chunk_size=chunk_size)
-        terms.append(alm_divergence(pieces[1 + i], space, rows, temperature=temperature))
+        weight = None
+        if chunk_weighting is not None and rows.num_chunks:
+            from csd_pipeline.loss.chunk_weights import advantage_weights
+
+            student = pieces[1 + i].new_zeros(rows.num_chunks).index_add(0, rows.chain_chunk, pieces[1 + i])
+            weight = advantage_weights(rows.teacher_logp, student, scale=chunk_weighting[0], cap=chunk_weighting[1])
+        terms.append(alm_divergence(pieces[1 + i], space, rows, temperature=temperature, chunk_weight=weight))
     if global_ce_tokens is None:
         global_ce_tokens = int(ce_positions.numel())
     return combine_losses(-pieces[0].sum(), global_ce_tokens, terms, teacher_weights=teacher_weights,
@@ -153,6 +161,8 @@ def alm_loss(*, ce_positions, ce_tokens, teachers: Sequence = (), hidden=None, w
 
 class AlmLoss(TrainingLoss):
     """`--loss alm`: CE + Approximate Likelihood Matching of every accepted chunk (`alm_loss`)."""
+
+    weighs_chunks = True
 
     def validate(self) -> None:
         options = self.options
@@ -188,10 +198,13 @@ class AlmLoss(TrainingLoss):
 
     def __call__(self, *, ce_positions, ce_tokens, teachers, hidden=None, weight=None, logits=None,
                  teacher_weights=None, global_ce_tokens=None, global_chunk_counts=None, kd_scale=None):
+        from csd_pipeline.loss.chunk_weights import chunk_weighting
+
         options = self.options
         return alm_loss(ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
                         weight=weight, logits=logits, teacher_weights=teacher_weights,
                         global_ce_tokens=global_ce_tokens, global_chunk_counts=global_chunk_counts,
                         temperature=options.get("alm_temperature", DEFAULT_ALM_TEMPERATURE),
                         chunk_size=self._chunk_size(), reuse_bytes=options["loss_reuse_mb"] << 20,
-                        reuse_dtype=options["loss_reuse_dtype"], kd_scale=kd_scale)
+                        reuse_dtype=options["loss_reuse_dtype"], kd_scale=kd_scale,
+                        chunk_weighting=chunk_weighting(options))

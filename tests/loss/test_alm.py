@@ -148,8 +148,8 @@ def test_a_teacher_equal_to_the_student_gives_no_kd_gradient(tokenizer_path):
 
 
 def test_variable_lengths_rejected_rows_and_empty_batches(case_of):
-    """Entries beyond a position's length are padding; a chunk end with no whitespace entry stored gives the teacher
-    probability 0 (finite loss); a rejected teacher row gives no chunks (CE only)."""
+    """Entries beyond a position's length are padding; a chunk end with no whitespace entry stored gets the floor
+    1e-6; a rejected teacher row gives no chunks (CE only)."""
     case = case_of("llama-spm/gpt-2")
     tops = [dict(t) for t in case.tops]
     lengths = np.full(len(tops[0]["ids"]), TOP_K, np.int64)
@@ -165,7 +165,8 @@ def test_variable_lengths_rejected_rows_and_empty_batches(case_of):
     out = alm_loss(ce_positions=cp, ce_tokens=ct, teachers=[batch], hidden=h, weight=w, kd_scale=1.0)
     ref = reference_alm_loss([x @ w.T for x in case.hidden], case.rows, tops, case.s_ref, case.t_ref)
     assert batch.num_chunks == ref["chunks"] and close(out.kd, ref["kd"]) and close(out.ce, ref["ce"])
-    assert 0 < ref["p_t"].count(0.0) < len(ref["p_t"])  # chunk ends whose one stored entry is no whitespace
+    floored = [math.isclose(p, t * 1e-6, rel_tol=1e-9) for p, t in zip(ref["p_t"], ref["p_t_chunk"], strict=True)]
+    assert 0 < sum(floored) < len(floored)  # chunk ends whose one stored entry is no whitespace: the floor
     rejected = collate_alm_rows([build_alm_rows(case.rows[1], 0, tops[1], case.ctx)], [0])
     none = alm_loss(ce_positions=cp, ce_tokens=ct, teachers=[rejected], hidden=h, weight=w, kd_scale=1.0)
     assert as_float(none.kd) == 0.0 and close(none.loss, none.ce)
