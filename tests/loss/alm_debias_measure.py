@@ -6,7 +6,7 @@ teacher position plus the observed next token, a lower bound. This script aligns
 writes a top-k store with the real teacher (`teacher-logits`), runs the same teacher once more for its whole
 rows, and prints, per language and stored k (the first k of the store's entries):
 
-- how often a chunk end's stored entries hold no whitespace token at all (the teacher side becomes -inf);
+- how often a chunk end's stored entries hold no whitespace token at all (the teacher side gets the floor);
 - the gap log(full mass) - log(stored mass) over the other chunk ends (median, mean, 90th percentile);
 - with a student (`--student`, a fixture model with the aligned student tokenizer): the ALM term with the stored
   and with the full mass (tau 100), and the cosine between their gradients on the student's logits.
@@ -89,7 +89,7 @@ def _cut(top, k: int):
 
 
 def measure(language: str, args) -> dict:
-    from csd_pipeline.events.alm_rows import build_alm_rows, space_mask
+    from csd_pipeline.events.alm_rows import TEACHER_SPACE_FLOOR, build_alm_rows, space_mask
     from csd_pipeline.events.context import EventContext
     from csd_pipeline.fixtures.names import tokenizer_path
     from csd_pipeline.runtime.model_loading import load_causal_lm
@@ -121,7 +121,7 @@ def measure(language: str, args) -> dict:
     out["store_vs_full_observed_max_abs"] = float(max(observed_gap))
     for k in args.k:
         stored = np.concatenate([r.teacher_space_logp for r in store_rows[k]])
-        finite = np.isfinite(stored)
+        finite = stored > math.log(TEACHER_SPACE_FLOOR)  # the others store no whitespace token: the floor
         gap = full_space[finite] - stored[finite]
         out["k"][k] = {"no_whitespace_stored": float(1 - finite.mean()), "gap_median": float(np.median(gap)),
                        "gap_mean": float(gap.mean()), "gap_p90": float(np.quantile(gap, 0.9)),
@@ -160,7 +160,7 @@ def _student_effect(args, pairs, store_rows, full_rows, ctx) -> dict:
         x = logits.clone().requires_grad_(True)
         out = alm_loss(ce_positions=cp, ce_tokens=ct, teachers=[rows], logits=x, kd_scale=0.0)
         out.kd.backward()
-        return float(out.kd), x.grad.flatten()
+        return float(out.kd.detach()), x.grad.flatten()
 
     def ce_gradient():
         x = logits.clone().requires_grad_(True)

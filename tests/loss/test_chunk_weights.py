@@ -148,3 +148,24 @@ def test_losses_without_chunk_weights_refuse_it(loss):
 def test_bad_chunk_weight_options_name_the_flag(key, value, flag):
     with pytest.raises(CsdError, match=flag):
         build_loss("alm", {**OPTIONS, key: value})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["csd", "alm"])
+def test_csd_train_with_advantage_weights_matches_the_direct_loss(trainer_data, trainer_teacher, tmp_path, one_thread,
+                                                                  loss):
+    """One step of `csd-train --kd-chunk-weight advantage` (FSDP2, float32) logs the KD of the direct float64 loss
+    of its first batch, which differs from the unweighted one."""
+    from tests.trainer_cases import direct_first_batch_loss, kd_run_args, metrics
+    from trainer.loop import train
+    from trainer.options import parse_args
+
+    output = tmp_path / "run"
+    config = parse_args(kd_run_args(trainer_data, trainer_teacher, output, "--loss", loss, "--kd-chunk-weight",
+                                    "advantage", "--kd-chunk-weight-scale", "2", steps=1))
+    train(config)
+    row = metrics(output)[0]
+    out, _ = direct_first_batch_loss(config)
+    plain, _ = direct_first_batch_loss(config, kd_chunk_weight="none")
+    assert row["kd"] > 0 and row["kd"] == pytest.approx(float(out.kd), rel=1e-4)
+    assert abs(float(plain.kd) - float(out.kd)) > 1e-3 * float(plain.kd)
