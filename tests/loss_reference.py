@@ -287,6 +287,25 @@ def reference_chunk_distributions(
     return out
 
 
+def observed_chunk_logliks(student_probs, row: dict, teacher_index: int, teacher_row: dict, only_1to1: bool = False):
+    """Per accepted chunk with a predictor on both sides (the order of `reference_chunk_distributions`):
+    (teacher log-probability of its observed teacher tokens from the stored observed log-probs, the student's of
+    its observed student tokens from `student_probs`, a float)."""
+    sid = [int(x) for x in row["student_ids"]]
+    observed = [float(x) for x in teacher_row["observed_logprob"]]
+    out, s0, t0 = [], 0, 0
+    for m, n, status in zip(row[f"teacher{teacher_index}_chunk_student_len"],
+                            row[f"teacher{teacher_index}_chunk_teacher_len"],
+                            row[f"teacher{teacher_index}_chunk_status"], strict=True):
+        m, n, s, t = int(m), int(n), s0, t0
+        s0, t0 = s0 + m, t0 + n
+        if int(status) != 0 or s == 0 or t == 0 or (only_1to1 and (m, n) != (1, 1)):
+            continue
+        student = sum(math.log(float(student_probs[s - 1 + r, sid[s + r]].detach())) for r in range(m))
+        out.append((sum(observed[t - 1:t + n - 1]), student))
+    return out
+
+
 def reference_loss(
     student_logits: list,
     rows: list[dict],
@@ -300,13 +319,16 @@ def reference_loss(
     global_ce_tokens: float | None = None,
     global_chunk_counts: list[float] | None = None,
     teacher_temperature: float = 1.0,
+    chunk_weights=None,
 ) -> dict:
     """The CSD loss of a batch from dense student logits (one [Ts, Vs] float64 tensor per row).
 
     Returns {"loss", "ce", "kd", "kd_parts", "chunks"} (torch scalars, differentiable w.r.t. the
     logits). CE is the mean over masked student targets (or / global_ce_tokens); each teacher's
     KD is (sum over 1:1 chunks of D + beta * sum over other chunks) / its chunk count; KD =
-    sum_i weight_i KD_i; L = CE + sg(CE / KD) KD, or CE when KD is 0.
+    sum_i weight_i KD_i; L = CE + sg(CE / KD) KD, or CE when KD is 0. chunk_weights: optional
+    fn(log p_T(chunk), log p_S(chunk) as a float) -> a multiplier of the chunk's term, from the observed tokens of
+    each side (`observed_chunk_logliks`; top-k teachers only).
     """
     import torch
 
@@ -328,11 +350,15 @@ def reference_loss(
         total = torch.zeros((), dtype=torch.float64)
         count = 0
         for probs_row, row, t_row in zip(probs, rows, teacher.rows, strict=True):
-            for chunk in reference_chunk_distributions(
+            chunks = reference_chunk_distributions(
                 probs_row, row, i, t_row, student_vocab, teacher.vocab, spelling=spelling, only_1to1=only_1to1
-            ):
+            )
+            logliks = observed_chunk_logliks(probs_row, row, i, t_row, only_1to1) if chunk_weights else None
+            for k, chunk in enumerate(chunks):
                 floor = REVERSE_KL_TEACHER_REST_FLOOR if divergence == "reverse_kl" else 0.0
                 d = _divergence(*chunk.distributions(teacher_temperature, floor), divergence)
+                if chunk_weights is not None:
+                    d = d * chunk_weights(*logliks[k])
                 total = total + (d if chunk.shape == "1:1" else beta * d)
                 count += 1
         denom = count if global_chunk_counts is None else global_chunk_counts[i]

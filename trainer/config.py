@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 from csd_pipeline.errors import CsdError
 from csd_pipeline.events.baseline_rows import TEACHER_CONTROLS
 from csd_pipeline.events.batch import DEFAULT_SPELLING, SPELLING_MODES
+from csd_pipeline.loss.alm import DEFAULT_ALM_TEMPERATURE
+from csd_pipeline.loss.chunk_weights import (
+    DEFAULT_CHUNK_WEIGHT_MAX,
+    DEFAULT_CHUNK_WEIGHT_SCALE,
+    KD_CHUNK_WEIGHTS,
+)
 from csd_pipeline.loss.csd import DEFAULT_BETA, DEFAULT_DIVERGENCE, DIVERGENCES, KD_COMBINES
 from csd_pipeline.loss.token_logprobs import DEFAULT_REUSE_DTYPE, REUSE_DTYPES
 from csd_pipeline.loss.training import LOSSES
@@ -120,7 +126,8 @@ class LossConfig:
     """CE alone or CE + CSD: the divergence, the chunk weights, the KD scale and the teachers' weights."""
 
     loss: str = option("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
-                            "or kd (same-tokenizer KD; docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
+                            "alm (tokenkit's Approximate Likelihood Matching), or kd (same-tokenizer KD; "
+                            "docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
     divergence: str = option(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
     beta: float = option(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
     kd_scale: str = option("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
@@ -147,6 +154,21 @@ class LossConfig:
                              trajectory=True)
     strict_divergence: str = option("reverse_kl", "--loss strict: jsd, kl or reverse_kl (CT-OPD's)", trajectory=True,
                                   choices=DIVERGENCES)
+    alm_temperature: float = option(DEFAULT_ALM_TEMPERATURE, "--loss alm: the binarisation temperature tau, chunk "
+                                    "probabilities compared as Bernoulli(p^(1/tau)) (tokenkit's default 100)",
+                                    trajectory=True)
+    alm_debias: bool = option(True, "--loss alm: add to each chunk's log-likelihood, on both sides, the log-probability "
+                                    "that the next token starts with whitespace (tokenkit's append_space; needs a store "
+                                    "of exact top-k entries); --no-alm-debias: the chunks' own tokens only",
+                              trajectory=True)
+    kd_chunk_weight: str = option("none", "weigh each chunk's KD term by the teacher's advantage on its text: advantage "
+                                          "(w = clamp((log p_T - log p_S) / scale, 0, max), the student side detached; "
+                                          "--loss csd, csd_1to1, alm) or none", trajectory=True,
+                                  choices=KD_CHUNK_WEIGHTS)
+    kd_chunk_weight_scale: float = option(DEFAULT_CHUNK_WEIGHT_SCALE, "--kd-chunk-weight advantage: the teacher "
+                                          "advantage, in nats over the chunk, that weighs 1", trajectory=True)
+    kd_chunk_weight_max: float = option(DEFAULT_CHUNK_WEIGHT_MAX, "--kd-chunk-weight advantage: the largest weight",
+                                        trajectory=True)
     teacher_control: str = option("none", "shuffled: give each stored teacher row to another position of the batch "
                                         "(a control arm; any loss)", trajectory=True, choices=TEACHER_CONTROLS)
     loss_chunk_size: int = option(0, "positions per row chunk of the student log-softmax (0: auto, 2,048; the "

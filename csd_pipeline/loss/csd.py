@@ -135,6 +135,7 @@ def csd_divergence(
     divergence: str = DEFAULT_DIVERGENCE,
     beta: float = DEFAULT_BETA,
     teacher_temperature: float = 1.0,
+    chunk_weight=None,
 ) -> KdTerm:
     """Weighted sum of D(P_T^c, P_S^c) over the chunks of `events` (SPEC §5).
 
@@ -145,7 +146,9 @@ def csd_divergence(
     teacher's REST is at least REVERSE_KL_TEACHER_REST_FLOOR). Weighted by 1 for 1:1
     chunks and `beta` otherwise. `teacher_temperature` T (default 1: the paper's) softens the
     teacher's chunk distribution, events and REST together: P_T(e)^(1/T), renormalised over the
-    chunk. Returns a KdTerm. Raises CsdError for an unknown divergence or a temperature that is not positive.
+    chunk. `chunk_weight` (optional, detached [C]) multiplies each chunk's term as well
+    (`loss.chunk_weights`). Returns a KdTerm. Raises CsdError for an unknown divergence or a temperature that is
+    not positive.
     """
     import torch
 
@@ -179,9 +182,11 @@ def csd_divergence(
     terms = divergence_terms(log_pt, torch.cat([log_qs, log_rest_s]), divergence)
     per_chunk = torch.zeros(n_chunks, dtype=dtype, device=device).index_add(0, entry_chunk, terms)
     is_one_to_one = events.chunk_shape == 0
-    chunk_weight = torch.where(
+    shape_weight = torch.where(
         is_one_to_one, torch.ones_like(per_chunk), torch.full_like(per_chunk, float(beta))
     )
+    if chunk_weight is not None:
+        shape_weight = shape_weight * chunk_weight.to(dtype)
     metrics = chunk_count_metrics(events)
     metrics.update(
         events_per_chunk=n_events / n_chunks,
@@ -189,7 +194,7 @@ def csd_divergence(
         student_rest_mass=torch.exp(log_rest_s).mean().detach(),
         divergence_per_chunk=per_chunk.detach().mean(),
     )
-    return KdTerm((chunk_weight * per_chunk).sum(), n_chunks, metrics)
+    return KdTerm((shape_weight * per_chunk).sum(), n_chunks, metrics)
 
 
 def chunk_count_metrics(events) -> dict:
@@ -273,6 +278,27 @@ def combine_losses(
     return LossOutput(loss=loss, ce=ce, kd=kd, kd_terms=list(kd_terms), metrics=metrics)
 
 
+def _advantage(events, ce_positions, ce_logprobs, chunk_weighting):
+    """`loss.chunk_weights.advantage_weights` of the chunks of `events`: the teacher's chunk log-likelihood
+    (`chunk_teacher_loglik`) against the student's, the sum of its CE log-probs over the chunk's student tokens
+    (a token that is no CE target adds nothing: accepted chunks lie inside the loss region)."""
+    import torch
+
+    from csd_pipeline.loss.chunk_weights import advantage_weights
+
+    dtype, device = ce_logprobs.dtype, ce_logprobs.device
+    if events.num_chunks == 0:
+        return torch.zeros(0, dtype=dtype, device=device)
+    size = int(max(int(ce_positions.max()) if ce_positions.numel() else 0,
+                   int((events.chunk_student_start + events.chunk_student_len).max())) + 1)
+    at = torch.zeros(size, dtype=dtype, device=device).index_put((ce_positions,), ce_logprobs.detach())
+    total = torch.cat([torch.zeros(1, dtype=dtype, device=device), torch.cumsum(at, 0)])
+    start = torch.clamp_min(events.chunk_student_start - 1, 0)  # the position that predicts the chunk's first token
+    student = total[start + events.chunk_student_len] - total[start]
+    scale, cap = chunk_weighting
+    return advantage_weights(events.chunk_teacher_loglik, student, scale=scale, cap=cap)
+
+
 def csd_loss(
     *,
     ce_positions,
@@ -291,6 +317,7 @@ def csd_loss(
     reuse_dtype: str = DEFAULT_REUSE_DTYPE,
     kd_scale: torch.Tensor | float | None = None,
     teacher_temperature: float = 1.0,
+    chunk_weighting: tuple[float, float] | None = None,
 ) -> LossOutput:
     """CE + CSD for one batch, from the student's last hidden states and LM head (or logits).
 
@@ -301,7 +328,9 @@ def csd_loss(
     `BatchEvents` per teacher (numpy or already on the device). All (position, token) pairs (CE
     and every teacher's events) are gathered in one pass. global_ce_tokens defaults to the local
     number of CE targets; global_chunk_counts to the local chunk counts (see `combine_losses`).
-    An empty `teachers` (loss "ce") gives L = CE. Raises CsdError on bad inputs.
+    An empty `teachers` (loss "ce") gives L = CE. chunk_weighting: (scale, cap) of `--kd-chunk-weight
+    advantage` (`loss.chunk_weights`; the student's chunk log-likelihood from the CE gathers), None: every
+    chunk weighs as SPEC §5 says. Raises CsdError on bad inputs.
     """
     check_divergence(divergence)
     _, ce_positions, ce_tokens, teachers = student_inputs(ce_positions, ce_tokens, teachers, hidden=hidden,
@@ -322,6 +351,7 @@ def csd_loss(
             divergence=divergence,
             beta=beta,
             teacher_temperature=teacher_temperature,
+            chunk_weight=None if chunk_weighting is None else _advantage(ev, ce_positions, pieces[0], chunk_weighting),
         )
         for i, ev in enumerate(teachers)
     ]

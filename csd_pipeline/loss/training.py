@@ -25,6 +25,7 @@ LOSSES = {
     "gold": "csd_pipeline.loss.training:BaselineLoss",
     "strict": "csd_pipeline.loss.training:BaselineLoss",
     "kd": "csd_pipeline.loss.kd:KdLoss",
+    "alm": "csd_pipeline.loss.alm:AlmLoss",
 }
 
 
@@ -40,10 +41,19 @@ class TrainingLoss:
 
     uses_teachers = True         # False: CE alone, no --teacher-logits is opened
     exact_teacher_values = False  # True: reads stored values as log-probabilities of a whole top-k
+    weighs_chunks = False        # True: implements --kd-chunk-weight (`loss.chunk_weights`)
 
     def validate(self) -> None:
         """Raise `CsdError` (naming the option) for options this loss cannot run with."""
+        from csd_pipeline.loss.chunk_weights import check_chunk_weighting
+
         options = self.options
+        if "kd_chunk_weight" in options:
+            check_chunk_weighting(options["kd_chunk_weight"], options["kd_chunk_weight_scale"],
+                                  options["kd_chunk_weight_max"])
+            if options["kd_chunk_weight"] != "none" and not self.weighs_chunks:
+                raise CsdError(f"--kd-chunk-weight works with --loss csd, csd_1to1 and alm, not with --loss "
+                               f"{self.name}; leave it at none")
         if options["kd_combine"] == "select":
             raise CsdError(f"--kd-combine select works with the csd losses and real teacher rows, not with "
                            f"--loss {self.name}; use --kd-combine sum")
@@ -84,8 +94,15 @@ class TrainingLoss:
 class CsdLoss(TrainingLoss):
     """`--loss csd` and `csd_1to1` (only the 1:1 chunks): CSD events (SPEC §5) and `csd_loss`."""
 
+    weighs_chunks = True
+
     def validate(self) -> None:
+        from csd_pipeline.loss.chunk_weights import check_chunk_weighting
+
         options = self.options
+        if "kd_chunk_weight" in options:
+            check_chunk_weighting(options["kd_chunk_weight"], options["kd_chunk_weight_scale"],
+                                  options["kd_chunk_weight_max"])
         if options["kd_combine"] == "select" and options["teacher_control"] != "none":
             raise CsdError(f"--kd-combine select works with the csd losses and real teacher rows, not with "
                            f"--teacher-control {options['teacher_control']}; use --kd-combine sum")
@@ -121,6 +138,7 @@ class CsdLoss(TrainingLoss):
 
     def __call__(self, *, ce_positions, ce_tokens, teachers, hidden=None, weight=None, logits=None,
                  teacher_weights=None, global_ce_tokens=None, global_chunk_counts=None, kd_scale=None):
+        from csd_pipeline.loss.chunk_weights import chunk_weighting
         from csd_pipeline.loss.csd import csd_loss
 
         options = self.options
@@ -130,7 +148,7 @@ class CsdLoss(TrainingLoss):
                         divergence=options["divergence"], beta=options["beta"],
                         teacher_temperature=options["teacher_temperature"], chunk_size=self._chunk_size(),
                         reuse_bytes=options["loss_reuse_mb"] << 20, reuse_dtype=options["loss_reuse_dtype"],
-                        kd_scale=kd_scale)
+                        kd_scale=kd_scale, chunk_weighting=chunk_weighting(options))
 
 
 class CeLoss(CsdLoss):
@@ -139,6 +157,8 @@ class CeLoss(CsdLoss):
     uses_teachers = False
 
     def validate(self) -> None:
+        if self.options.get("kd_chunk_weight", "none") != "none":
+            raise CsdError(f"--kd-chunk-weight weighs KD chunks; --loss {self.name} has none, leave it at none")
         if self.options["kd_scale"] == "ratio":
             raise CsdError(f"--kd-scale ratio needs a KD loss and --kd-weight within [0, 1], got --loss {self.name} "
                            f"and --kd-weight {self.options['kd_weight']}")
