@@ -19,7 +19,8 @@ define LOCK_HEADER
 requirements.lock: every dependency of csd-pipeline and of its dev extra (which holds the other extras'
 packages too), each pinned with its sha256 hashes; `make venv` installs it with pip --require-hashes.
 For CPython 3.11 on Linux x86_64 (manylinux_2_28), resolved against $(LOCK_TORCH); torch itself is
-not in this file: `make venv` installs it first from TORCH (GPU users pass their own build of 2.13.0).
+not in this file, nor are a CUDA build's own packages (nvidia-*, triton): `make venv` installs torch
+first from TORCH (GPU users pass their own build of 2.13.0, which brings those).
 Regenerate with `make lock` after changing pyproject.toml; tests/packaging/test_lock.py fails when this
 file does not satisfy pyproject.toml.
 endef
@@ -67,7 +68,8 @@ venv: $(STAMP)
 
 # make lock: resolve pyproject.toml (the base and the dev extra) again into requirements.lock with uv (from
 # PyPI, into the venv), against the torch that TORCH's default pins (the CPU build of this machine's
-# /opt/wheels, where it has one), for CPython 3.11 on Linux x86_64; torch itself is left to TORCH.
+# /opt/wheels, where it has one), for CPython 3.11 on Linux x86_64; torch and a CUDA build's own packages
+# (which PyPI's Linux torch pulls in) are left out: TORCH installs them.
 lock:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q uv==$(UV_VERSION)
@@ -75,7 +77,7 @@ lock:
 	$(VENV)/bin/uv pip compile -q pyproject.toml --extra dev --generate-hashes --python-version 3.11 \
 	  --python-platform x86_64-manylinux_2_28 $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
 	  --override $(LOCK).torch.tmp --no-emit-package torch --custom-compile-command "make lock" -o $(LOCK).tmp
-	{ sed 's/^/# /' <<< "$$LOCK_HEADER"; cat $(LOCK).tmp; } > $(LOCK)
+	{ sed 's/^/# /' <<< "$$LOCK_HEADER"; awk '/^[A-Za-z0-9]/ {skip = tolower($$0) ~ /^(nvidia-|triton|cuda-)/} !skip' $(LOCK).tmp; } > $(LOCK)
 	rm -f $(LOCK).tmp $(LOCK).torch.tmp
 
 fixtures: venv

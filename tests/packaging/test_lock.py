@@ -72,6 +72,7 @@ def test_the_lock_satisfies_pyproject():
     pins = read_lock(LOCK.read_text(encoding="utf-8"))
     assert unmet(pins, requirements()) == [], "run `make lock`"
     assert not LEFT_TO_TORCH_STEP & set(pins)  # torch comes from TORCH (CPU or a CUDA build), never the lock
+    assert [n for n in pins if n.startswith(("nvidia-", "triton", "cuda-"))] == []  # nor a CUDA build's own
     assert [name for name, (_, hashes) in pins.items() if not hashes] == []
     assert len(pins) > 100  # the transitive closure, not only the direct requirements
 
