@@ -11,12 +11,25 @@ FIX_STAMP := $(VENV)/.fixtures-stamp
 # CUDA build, on a fresh checkout (or after rm -rf .venv), give pip the index of that build:
 #   make venv TORCH="torch==2.13.0 --index-url <PyTorch's wheel index for your CUDA version>"
 TORCH ?= torch==2.13.0
+LOCK := requirements.lock
+# the torch the lock is resolved against (its dependencies are pinned in the lock; torch itself is not)
+LOCK_TORCH ?= torch==2.13.0$(if $(wildcard /opt/wheels/torch-2.13.0+cpu-*),+cpu)
+define LOCK_HEADER
+requirements.lock: every dependency of csd-pipeline and of its dev extra (which holds the other extras'
+packages too), each pinned with its sha256 hashes; `make venv` installs it with uv --require-hashes.
+For CPython 3.11 on Linux x86_64 (manylinux_2_28), resolved against $(LOCK_TORCH); torch itself is
+not in this file, nor are a CUDA build's own packages (nvidia-*, triton): `make venv` installs torch
+first from TORCH (GPU users pass their own build of 2.13.0, which brings those).
+Regenerate with `make lock` after changing pyproject.toml; tests/packaging/test_lock.py fails when this
+file does not satisfy pyproject.toml.
+endef
+export LOCK_HEADER
 
 STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs results lint clean
+.PHONY: help venv lock fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs results lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -33,18 +46,41 @@ help:
 	@echo "make gpu-check   on a CUDA device: teacher and training speed, peak memory, bf16 vs float32 teacher"
 	@echo "make docs        regenerate the generated parts of docs/ (ARCHITECTURE.md's layout table, RESULTS.md's tables)"
 	@echo "make results     regenerate docs/RESULTS.md's tables from docs/results/*.json"
+	@echo "make lock        resolve pyproject.toml again into requirements.lock (hashes; uv from PyPI)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
 	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
 
-$(STAMP): pyproject.toml
+# The set-up is locked (requirements.lock: every package but torch, pinned with its hashes; its header says for
+# which Python and platform): torch first from TORCH (pip: its config and a GPU user's index), then uv from the
+# lock, then the rest of the lock with uv (--require-hashes, --no-deps; 3.5 s against pip's 99 s for the same
+# step, warm caches), then the project itself without dependencies, and `pip check` that they fit together.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	# torch first and pinned (TORCH above): an open range would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install -q $(TORCH)
-	$(VENV)/bin/pip install -q -e '.[dev]'
+	awk '/^[A-Za-z0-9]/ {keep = $$0 ~ /^uv==/} keep' $(LOCK) > $(VENV)/uv-lock.txt
+	$(VENV)/bin/pip install -q --require-hashes --no-deps -r $(VENV)/uv-lock.txt
+	$(VENV)/bin/uv pip install -q --python $(PY) --require-hashes --no-deps -r $(LOCK)
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .
+	$(VENV)/bin/pip check || { echo "the lock does not fit this torch: use TORCH=\"torch==2.13.0 ...\" or run make lock"; exit 1; }
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# make lock: resolve pyproject.toml (the base and the dev extra) again into requirements.lock with uv (from
+# PyPI, into the venv; the lock pins the uv that make venv uses), against the torch that TORCH's default
+# pins (the CPU build of this machine's /opt/wheels, where it has one), for CPython 3.11 on Linux x86_64;
+# torch and a CUDA build's own packages (which PyPI's Linux torch pulls in) are left out: TORCH installs them.
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(VENV)/bin/uv || $(VENV)/bin/pip install -q uv
+	echo "$(LOCK_TORCH)" > $(LOCK).torch.tmp
+	$(VENV)/bin/uv pip compile -q pyproject.toml --extra dev --generate-hashes --python-version 3.11 \
+	  --python-platform x86_64-manylinux_2_28 $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	  --override $(LOCK).torch.tmp --no-emit-package torch --custom-compile-command "make lock" -o $(LOCK).tmp
+	{ sed 's/^/# /' <<< "$$LOCK_HEADER"; awk '/^[A-Za-z0-9]/ {skip = tolower($$0) ~ /^(nvidia-|triton|cuda-)/} !skip' $(LOCK).tmp; } > $(LOCK)
+	rm -f $(LOCK).tmp $(LOCK).torch.tmp
 
 fixtures: venv
 	$(VENV)/bin/csd-pipeline fixtures

@@ -2,7 +2,7 @@
 
 The real SmolLM2-135M-Instruct teacher runs once over `bench/corpus/kinds.jsonl` (six kinds of
 text, one aligned shard each, gpt-2 student, 1024-token windows) with its top-128; each setting (a store
-recipe, `recipes/stores/<name>.yaml`) then goes through that setting's selectors
+setting, `bench.experiments.plan.store_settings(name)`) then goes through that setting's selectors
 (`csd_pipeline/teacher/store/selectors/`, built from the setting's options as `teacher-logits` builds them) and the store's writer (`write_store`, same blocks,
 same Parquet file), from those same values:
 
@@ -40,19 +40,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from csd_pipeline.recipes import load_store
+from bench.experiments.plan import store_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
 TEACHER = "smollm2-135m-instruct"
 TEACHER_TOKENIZERS = {"smollm2-135m-instruct": "smollm2", "gemma3-270m": "gemma3"}  # model fixture -> its tokenizer
 STORED_K = 128
-# The settings measured: store recipes (recipes/stores/<name>.yaml, the `teacher-logits` options they stand for).
-SETTINGS = {name: load_store(f"stores/{name}") for name in (
+# The settings measured: stores by name (a shipped store recipe or experiments.yaml's `stores:`, the `teacher-logits` options they stand for).
+SETTINGS = {name: store_settings(name) for name in (
     "top-128", "top-64", "top-32", "p0.99", "p0.95", "p0.90", "p0.99k64", "events128", "events72", "events68",
     "min0.0035", "events-min0.004", "events-min0.0035")}
 # with tail draws: a real runner of its own per kind
-TAIL_SETTINGS = {name: load_store(f"stores/{name}") for name in ("events-min0.01-s32", "events-min0.02-s48")}
+TAIL_SETTINGS = {name: store_settings(name) for name in ("events-min0.01-s32", "events-min0.02-s48")}
 
 
 def _chains(aligned) -> dict:

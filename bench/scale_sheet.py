@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from csd_pipeline.recipes import load_store
+from bench.experiments.plan import store_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +43,8 @@ TEACHERS = {"1B": 1.24e9, "8B": 8.03e9, "70B": 70.6e9}  # parameters (Llama 3.2 
 # (python -m bench.bench_teacher_store, all kinds, shard files).
 TEACHER_BYTES = {"top-128": 237.87, "top-32": 60.37, "p0.99": 185.37, "p0.90": 101.58, "events128": 168.5,
                  "events-min0.0035": 72.46, "events-min0.02-s48": 72.96}
-# The settings: store recipes (recipes/stores/<name>.yaml), those TEACHER_BYTES has a figure for.
-SETTINGS = {name: load_store(f"stores/{name}") for name in TEACHER_BYTES}
+# The settings: stores by name (bench.experiments.plan.store_settings), those TEACHER_BYTES has a figure for.
+SETTINGS = {name: store_settings(name) for name in TEACHER_BYTES}
 STEP = {"tokens_per_gpu": 8 * 4096, "seconds": 1.0}  # the trainer example: 8 windows of 4096 per GPU per second
 
 

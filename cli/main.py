@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "bits-per-byte": "cli.evaluate:bits_per_byte",
     "evaluate": "cli.harness:evaluate",
     "fixtures": "cli.fixtures:fixtures",
+    "recipes": "cli.recipes:recipes",
 }
 
 HELP_LINES = {
@@ -37,6 +38,7 @@ HELP_LINES = {
     "bits-per-byte": "Held-out bits per byte of a model on an aligned folder (any tokenizer).",
     "evaluate": "Score a model on lm-evaluation-harness tasks (extra [eval]; --list-tasks).",
     "fixtures": "Fetch, convert and verify the real tokenizer and model fixtures.",
+    "recipes": "List the shipped recipes (csd-train --config NAME), or print one.",
 }
 
 

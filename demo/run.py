@@ -33,7 +33,7 @@ TEACHER_TOKENIZER = "smollm2"
 STUDENT_TOKENIZER = "llama-spm"
 WINDOW = 256
 
-# The recipes (recipes/demo/, recipes/stores/; docs/ARCHITECTURE.md "Adding a recipe"): the training recipe of both students
+# The recipes (shipped: csd_pipeline/recipes/demo/, stores/; docs/ARCHITECTURE.md "Adding a recipe"): the training recipe of both students
 # (the benchmark's: batches of 2 windows, more steps for the same tokens helped every arm but CE on limited data),
 # the CSD arm's loss, chosen from `make bench-quality` (docs/RESULTS.md, "What CSD buys"), the CE twin's, and the
 # store: of the teacher's top-128, the entries at least 0.02 times as likely as each position's first, plus 48

@@ -44,11 +44,19 @@ def known(name: str, origin: str) -> str:
 
 
 def load_yaml(path: str) -> dict:
-    """Read a YAML mapping of options; raise `CsdError` for a missing or malformed file."""
+    """Read a YAML mapping of options from the file `path`, or else from the shipped recipe of that name
+    (`pretrained/csd_kl_b1_t1.5_fixed0.5`; `csd-pipeline recipes`); raise `CsdError` for a missing or malformed
+    file."""
     import yaml
 
     if not os.path.isfile(path):
-        raise CsdError(f"config file {path} does not exist; pass an existing YAML file to --config")
+        from csd_pipeline.recipes import recipe_path
+
+        shipped = recipe_path(path)
+        if not shipped.is_file():
+            raise CsdError(f"config file {path} does not exist; pass an existing YAML file or a shipped recipe's "
+                           f"name to --config (`csd-pipeline recipes` lists them)")
+        path = str(shipped)
     with open(path, encoding="utf-8") as handle:
         try:
             data = yaml.safe_load(handle)

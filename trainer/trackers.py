@@ -52,7 +52,8 @@ def tracker_values(record: dict, prefix: str | None) -> dict[str, float]:
 
 
 class TensorBoardTracker:
-    """Scalars into `OUTPUT/tensorboard/` (events after `start_step` are dropped on resume)."""
+    """Scalars into `OUTPUT/tensorboard/` (events after `start_step` are dropped on resume). TensorBoard has no
+    environment setting of its own for where a writer logs, so there is none to honour here."""
 
     def __init__(self, output: Path, start_step: int, config: dict):
         from torch.utils.tensorboard import SummaryWriter
@@ -68,17 +69,17 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A W&B run in `OUTPUT/wandb/` (the project from `WANDB_PROJECT`, default csd-pipeline; the run
-    named after the output folder; `WANDB_MODE=offline` writes it locally only)."""
+    """A W&B run, by default in `OUTPUT/wandb/`, in project csd-pipeline, named after the output folder. W&B's own
+    settings win where they are set (`wandb_init_args`): WANDB_DIR, WANDB_PROJECT, WANDB_NAME, WANDB_RUN_ID, and
+    the rest (WANDB_MODE=offline writes the run locally only, WANDB_ENTITY, ...) are W&B's alone."""
 
     def __init__(self, output: Path, start_step: int, config: dict):
         import wandb
 
         id_file = output / WANDB_RUN_ID
         run_id = id_file.read_text(encoding="utf-8").strip() if start_step and id_file.is_file() else None
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "csd-pipeline"), name=output.name,
-                              dir=str(output), config=config, id=run_id, resume="allow" if run_id else None,
-                              settings=wandb.Settings(console="off", quiet=True))
+        self.run = wandb.init(config=config, settings=wandb.Settings(console="off", quiet=True),
+                              **wandb_init_args(output, run_id, os.environ))
         id_file.write_text(self.run.id + "\n", encoding="utf-8")
         self.run.define_metric("train/global_step")
         self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
@@ -88,6 +89,21 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def wandb_init_args(output: Path, run_id: str | None, environ) -> dict:
+    """`wandb.init`'s dir, project, name and id: ours only where W&B's own variable is unset in `environ`, since
+    an argument of `wandb.init` overrides the environment (a resumed run passes the id it saved, to append)."""
+    args = {}
+    if not environ.get("WANDB_DIR"):
+        args["dir"] = str(output)
+    if not environ.get("WANDB_PROJECT"):
+        args["project"] = "csd-pipeline"
+    if not environ.get("WANDB_NAME"):
+        args["name"] = output.name
+    if run_id and not environ.get("WANDB_RUN_ID"):
+        args["id"], args["resume"] = run_id, "allow"
+    return args
 
 
 TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}

@@ -11,7 +11,7 @@ of an epoch; `repeated`, every tenth training document of each language (about 7
 3.5 epochs. Recipe: 2 windows of 256 tokens per step, learning rate 5e-5, 5 warm-up steps (a fine-tuning
 rate), the trainer's held-out curve on the five languages together every steps/4 steps.
 
-Arms (recipes/experiments.yaml, `pretrained`: each a recipe under recipes/pretrained/): `ce`; CSD as the from-scratch recipe (`csd kl b1 t1.5`, dynamic scale) and variants; the
+Arms (csd_pipeline/recipes/experiments.yaml, `pretrained`): `ce`; CSD as the from-scratch recipe (`csd kl b1 t1.5`, dynamic scale) and variants; the
 peers at their best from-scratch settings (`uld w0.5`, `gold m0.9`, `strict top16 r0.5`); the
 shuffled-teacher control. `before` (no training) is measured once.
 
@@ -27,9 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, store_path, train_config_args
+from bench.experiments.plan import arm_flags, experiment, store_args, train_config_args
 from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
-from csd_pipeline.recipes import store_flags
 
 CORPUS = ROOT / "bench/corpus/multilingual"
 LANGUAGES = ("de", "fr", "es", "ja", "zh-cn")
@@ -83,7 +82,7 @@ def prepare(regime: str, out: Path, log: Path, quick: bool) -> dict:
     dirs["teacher"] = out / f"gemma3-{exp.store}-{regime}"
     if not (dirs["teacher"] / "manifest.json").is_file():
         run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", TEACHER,
-             *store_flags(store_path(exp.store)), "--output", dirs["teacher"], "--quiet"], log)
+             *store_args(exp.store), "--output", dirs["teacher"], "--quiet"], log)
     return dirs
 
 

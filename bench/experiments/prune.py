@@ -13,7 +13,7 @@ Recipe: 100 steps of 2 windows of 256 tokens (51k tokens, about 0.7 epoch), lear
 steps, KD weight fixed at 0.5 (L = CE + 0.5 KD, the pretrained-student recipe of `make bench-pretrained`),
 teacher temperature 1 (same-vocabulary KD is defined at T = 1, and every arm uses the same).
 
-Arms (recipes/experiments.yaml, `prune`: each a recipe under recipes/prune/ and the teacher whose top-128 it
+Arms (csd_pipeline/recipes/experiments.yaml, `prune`: each its options and the teacher whose top-128 it
 reads): `ce`; `csd gemma3` and `csd gemma3 t1.5` (CSD from Gemma 3); `csd smollm2` (CSD from the unpruned
 SmolLM2); `kd smollm2` (`--loss kd`: forward KL on the stored entries plus the rest); each KD arm also with the
 from-scratch weighting, the dynamic scale (`... dynamic`). Reference scores:
@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, store_path, train_config_args
+from bench.experiments.plan import arm_flags, experiment, store_args, train_config_args
 from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
-from csd_pipeline.recipes import store_flags
 
 STUDENT = "smollm2-135m-instruct"
 KEEP = "0-7,28-29"
@@ -73,7 +72,7 @@ def prepare(regime: str, out: Path, log: Path, quick: bool) -> dict:
         dirs[f"teacher-{name}"] = out / f"{name}-top128"
         if not (dirs[f"teacher-{name}"] / "manifest.json").is_file():
             run([pipeline, "teacher-logits", "--aligned", dirs[f"aligned-{name}"], "--teacher", model,
-                 *store_flags(store_path(experiment("prune").store)), "--output", dirs[f"teacher-{name}"], "--quiet"],
+                 *store_args(experiment("prune").store), "--output", dirs[f"teacher-{name}"], "--quiet"],
                 log)
     return dirs
 

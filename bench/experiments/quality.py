@@ -12,11 +12,11 @@ data and CSD better in both regimes; CE with limited data over-fits whatever the
 
 The teacher's top-128 is stored once per regime; arms that use fewer entries keep the most likely
 ones (`teacher_top_k`, equal to a smaller capture up to ties on the log-prob grid). Default arms
-(`default_arms` in recipes/experiments.yaml, about an hour on 2 CPU cores for both regimes): ce; csd under JSD with
+(`default_arms` in csd_pipeline/recipes/experiments.yaml, about an hour on 2 CPU cores for both regimes): ce; csd under JSD with
 the top-32 (beta 5, the paper's defaults; beta 1); csd with forward KL, beta 5, top-32 and top-8;
 csd_1to1 and csd with forward KL, beta 1, the top-128 and teacher temperature 1.5; then ce and the
 best arm again with a second seed to show seed noise. `--arms` also takes the other arms of `quality` in
-recipes/experiments.yaml (each a recipe under recipes/quality/, and the store it reads under recipes/stores/); `--seeds 0,1,2` runs
+csd_pipeline/recipes/experiments.yaml (each its csd-train options, and the store it reads); `--seeds 0,1,2` runs
 every chosen arm with each seed. The arms `csd kl b1 p0.99 t1.5`, `p0.90` and `p0.99k64` are the best
 arm reading a mass-adaptive store (`teacher-logits --top-p`), `events128`, `events72` and
 `events68` a store of only the entries CSD reads (`--top-k 128` / `72` / `68 --keep csd-events`), `min0.004`,
@@ -55,7 +55,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, pick_arms, pick_seeds, store_path, train_config_args
+from bench.experiments.plan import arm_flags, experiment, pick_arms, pick_seeds, store_args, train_config_args
 from bench.experiments.runner import (
     BIN,
     ROOT,
@@ -70,7 +70,6 @@ from bench.experiments.runner import (
     write_run,
 )
 from csd_pipeline.errors import CsdError
-from csd_pipeline.recipes import store_flags
 
 EXP = experiment("quality")  # the regimes, the arms, the stores they read, the default and comparison arms, the seeds
 REGIMES = EXP.regimes  # name: {train, heldout, steps}
@@ -79,7 +78,7 @@ ARMS = EXP.arms
 BEST_CSD = "csd kl b1 top128 t1.5"
 CONTROL = BEST_CSD + " shuffled"
 DEFAULT_ARMS = EXP.extra["default_arms"]
-COMPARISON_ARMS = EXP.extra["comparison_arms"]  # per regime (why these: recipes/experiments.yaml, docs/RESULTS.md)
+COMPARISON_ARMS = EXP.extra["comparison_arms"]  # per regime (why these: csd_pipeline/recipes/experiments.yaml, docs/RESULTS.md)
 COMPARISON_SEEDS = tuple(EXP.extra["comparison_seeds"])  # after seed 0: CE, the CSD arms, the control, best baselines
 ARM_WIDTH = max(map(len, ARMS))  # the arm column of the progress lines
 EVAL_POINTS = 5  # held-out evaluations per run, the last at the final step
@@ -97,7 +96,7 @@ def prepare(regime: str, out: Path, log: Path, arms: list[str] = ()) -> dict:
     for store in dict.fromkeys([EXP.store, *(EXP.store_of(ARMS[a]) for a in arms)]):
         dirs[f"store-{store}"] = out / regime / f"teacher-{store}"
         run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", "smollm2-135m-instruct",
-             *store_flags(store_path(store)), "--output", dirs[f"store-{store}"], "--quiet"], log)
+             *store_args(store), "--output", dirs[f"store-{store}"], "--quiet"], log)
     return dirs
 
 
@@ -185,7 +184,7 @@ def _save(results: list[dict], teachers: dict, path: Path, replace_regimes: bool
 
 
 def table(merged: dict) -> str:
-    """A quality.json as a Markdown table: per regime the teacher, then per arm (in recipes/experiments.yaml's order)
+    """A quality.json as a Markdown table: per regime the teacher, then per arm (in experiments.yaml's order)
     each seed's held-out bits per byte, seed 0 against CE's seed 0 and, for an arm run with several seeds, the mean
     and its margin over CE's mean (when CE has several seeds too)."""
     results, teachers = merged["results"], merged["teacher_bits_per_byte"]

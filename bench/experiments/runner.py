@@ -1,7 +1,7 @@
 """Running an experiment: its command line, the plan of (regime, arm, seed) runs, side by side, one JSON file.
 
 `main(bench, argv)` serves every experiment module that gives a `Bench` (pretrained, prune, teachers): the
-arms, seeds and regimes come from recipes/experiments.yaml, the module prepares a regime's data and stores,
+arms, seeds and regimes come from csd_pipeline/recipes/experiments.yaml, the module prepares a regime's data and stores,
 scores the references, trains one arm and formats the table. Each run writes its record to
 `bench-results/runs/<name>/<regime>/<arm>-seed<k>.json` and into `bench-results/<name>.json` (with the reference
 scores; a run replaces the run with the same key and keeps the others); `--table FILE` only prints a file's table.
@@ -137,7 +137,7 @@ def seed_cells(runs: list[dict]) -> dict:
 
 @dataclass(frozen=True)
 class Bench:
-    """What an experiment module gives `main`: its name in recipes/experiments.yaml and its parts.
+    """What an experiment module gives `main`: its name in csd_pipeline/recipes/experiments.yaml and its parts.
 
     prepare(regime, out, log, quick) -> dirs; scores(regime, dirs, previous) -> reference scores (`previous`: the
     results file's, to reuse); train(regime, arm, seed, dirs, out, steps, log, threads) -> record; steps(regime,

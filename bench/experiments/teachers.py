@@ -2,9 +2,9 @@
 
 Two real teachers with different tokenizers: SmolLM2-135M-Instruct (49k ids, teacher 0) and Gemma 3
 270M (262k ids, teacher 1). The recipe is `make bench-quality`'s (its REGIMES, its training recipe
-recipes/quality/train.yaml, and its best arm's flags: `--loss csd --divergence kl --beta 1 --teacher-temperature 1.5`
+experiments.yaml's `bench-train`, and its best arm's flags: `--loss csd --divergence kl --beta 1 --teacher-temperature 1.5`
 on the stored top-128). Each regime's corpus is aligned once with both teachers and each teacher's
-top-128 stored once; the arms (recipes/experiments.yaml, `teachers`; each a recipe under recipes/teachers/) differ only in which
+top-128 stored once; the arms (csd_pipeline/recipes/experiments.yaml, `teachers`) differ only in which
 teachers the loss reads and how it combines them:
 
 - `ce`: no teacher (the floor the teachers are measured against);
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, store_path, train_config_args
+from bench.experiments.plan import arm_flags, experiment, store_args, train_config_args
 from bench.experiments.quality import EVAL_POINTS, WARMUP_STEPS
 from bench.experiments.runner import (
     BIN,
@@ -55,12 +55,11 @@ from bench.experiments.runner import (
     runs_by_arm,
     seed_cells,
 )
-from csd_pipeline.recipes import store_flags
 
 TEACHERS = (("smollm2", "smollm2-135m-instruct"), ("gemma3", "gemma3-270m"))  # (tokenizer, model), by index
 SINGLE = ("smollm2", "gemma3")
 # The pretrained student: SmolLM2-135M-Instruct continued on a domain slice, CE or CSD from Gemma 3 (teacher 0 there).
-# Its data and steps, and its arms (`regime_arms`): recipes/experiments.yaml.
+# Its data and steps, and its arms (`regime_arms`): csd_pipeline/recipes/experiments.yaml.
 PRETRAINED = {**experiment("teachers").regimes["pretrained"], "student": "smollm2-135m-instruct", "tokenizer": "smollm2",
               "teachers": (TEACHERS[1],), "lr": "5e-5", "warmup": 5, "eval_points": 1}
 ALL_REGIMES = list(experiment("teachers").regimes)
@@ -103,7 +102,7 @@ def prepare(regime: str, out: Path, log: Path, quick: bool = False) -> dict:
         store = experiment("teachers").store
         dirs[f"teacher{index}"] = out / regime / f"{tokenizer}-{store}"
         run([pipeline, "teacher-logits", "--aligned", dirs["aligned"], "--teacher", model, "--teacher-index", index,
-             *store_flags(store_path(store)), "--output", dirs[f"teacher{index}"], "--quiet"], log)
+             *store_args(store), "--output", dirs[f"teacher{index}"], "--quiet"], log)
     return dirs
 
 

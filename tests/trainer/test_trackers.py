@@ -117,3 +117,36 @@ def test_a_tracker_that_is_not_installed_is_one_error_naming_the_extra(trainer_d
     with pytest.raises(CsdError, match="--report-to 'mlflow' is not a reporter"):
         parse_args(run_args(trainer_data, tmp_path / "run", "--report-to", "mlflow"))
     assert parse_args(run_args(trainer_data, tmp_path / "run")).report_to == ["jsonl"]
+
+
+def test_wandb_settings_of_the_user_win_over_the_run_folder(trainer_data, tmp_path, monkeypatch, one_thread):
+    """WANDB_DIR, WANDB_PROJECT and WANDB_NAME, when set, decide where the run goes and what it is called."""
+    pytest.importorskip("wandb")
+    elsewhere = tmp_path / "wandb-home"
+    elsewhere.mkdir()
+    for key, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_DIR", str(elsewhere)),
+                       ("WANDB_PROJECT", "my-project"), ("WANDB_NAME", "my-run")):
+        monkeypatch.setenv(key, value)
+    output = tmp_path / "run"
+    train(parse_args(run_args(trainer_data, output, "--report-to", "jsonl,wandb", "--steps", "1")))
+    import wandb
+
+    wandb.teardown()
+    assert not (output / "wandb").exists()
+    logs = sorted(elsewhere.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 1, list(elsewhere.rglob("*"))
+    runs = [r.run for r in wandb_records(logs[0]) if r.WhichOneof("record_type") == "run"]
+    assert (runs[0].project, runs[0].display_name) == ("my-project", "my-run")
+    assert (output / "wandb-run-id.txt").read_text().strip() == logs[0].stem.removeprefix("run-")
+
+
+def test_wandb_init_args_leave_each_set_variable_to_wandb(tmp_path):
+    from trainer.trackers import wandb_init_args
+
+    run = tmp_path / "run"
+    assert wandb_init_args(run, None, {}) == {"dir": str(run), "project": "csd-pipeline", "name": "run"}
+    assert wandb_init_args(run, "abc", {}) == {"dir": str(run), "project": "csd-pipeline", "name": "run",
+                                               "id": "abc", "resume": "allow"}
+    every = {"WANDB_DIR": "/x", "WANDB_PROJECT": "p", "WANDB_NAME": "n", "WANDB_RUN_ID": "r"}
+    assert wandb_init_args(run, "abc", every) == {}
+    assert wandb_init_args(run, None, {"WANDB_DIR": ""})["dir"] == str(run)  # an empty variable counts as unset
