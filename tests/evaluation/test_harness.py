@@ -110,7 +110,8 @@ def reference_accuracy(model, tokenizer, items) -> tuple[float, float]:
 @pytest.mark.slow
 def test_the_cached_context_gives_the_whole_pass_log_likelihoods(smollm2_float64):
     """The reference's shortcut (context once, each choice from a copy of its cache) equals one whole float64
-    pass per choice, on the first item (the shortest context, the cheapest whole passes)."""
+    pass per choice: the first item (the shortest context), its first choice and its last (which would see a
+    cache changed by the choices before it)."""
     import torch
 
     from csd_pipeline.evaluation import next_sentence as ns
@@ -119,12 +120,13 @@ def test_the_cached_context_gives_the_whole_pass_log_likelihoods(smollm2_float64
     item = json.loads((ns.TASK_DIR / "devil.jsonl").read_text().splitlines()[0])
     context_ids = tokenizer(item["context"])["input_ids"]
     whole = []
-    for choice in item["choices"]:
+    for choice in (item["choices"][0], item["choices"][-1]):
         ids = tokenizer(item["context"] + " " + choice)["input_ids"]
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
         whole.append(sum(float(logp[j - 1, ids[j]]) for j in range(len(context_ids), len(ids))))
-    assert choice_log_likelihoods(model, tokenizer, item) == pytest.approx(whole, rel=0, abs=1e-9)
+    cached = choice_log_likelihoods(model, tokenizer, item)
+    assert [cached[0], cached[-1]] == pytest.approx(whole, rel=0, abs=1e-9)
 
 
 @pytest.mark.slow
