@@ -61,14 +61,18 @@ def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_pat
     assert not output.exists()
 
 
-@pytest.fixture(scope="module")
-def smollm2_float64(model_path):
-    """(model, tokenizer) of the SmolLM2 fixture in float64, loaded once for this file's float64 references."""
+def float64_model(folder):
+    """(model, tokenizer) of a Hugging Face folder, the model in float64 for the references."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = model_path("smollm2-135m-instruct")
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def smollm2_float64(model_path):
+    """(model, tokenizer) of the SmolLM2 fixture in float64, loaded once for this file's float64 references."""
+    return float64_model(model_path("smollm2-135m-instruct"))
 
 
 def choice_log_likelihoods(model, tokenizer, item) -> list[float]:
