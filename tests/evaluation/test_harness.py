@@ -61,25 +61,50 @@ def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_pat
     assert not output.exists()
 
 
-def reference_accuracy(model_dir, items) -> tuple[float, float]:
-    """(acc, acc_norm) counted by hand: float64 log-likelihood of " choice" after the context, argmax (acc_norm:
-    divided by the choice's length in bytes, as the harness does)."""
+def float64_model(folder):
+    """(model, tokenizer) of a Hugging Face folder, the model in float64 for the references."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def smollm2_float64(model_path):
+    """(model, tokenizer) of the SmolLM2 fixture in float64, loaded once for this file's float64 references."""
+    return float64_model(model_path("smollm2-135m-instruct"))
+
+
+def choice_log_likelihoods(model, tokenizer, item) -> list[float]:
+    """Float64 log-likelihood of each " choice" after the item's context. The context runs once and each choice
+    continues from a copy of its key/value cache: the same sums as one whole pass per choice
+    (test_the_cached_context_gives_the_whole_pass_log_likelihoods), in a fraction of the float64 work."""
+    import copy
+
+    import torch
+
+    context_ids = tokenizer(item["context"])["input_ids"]
+    with torch.no_grad():
+        context = model(torch.tensor([context_ids]), use_cache=True, logits_to_keep=1)
+    scores = []
+    for choice in item["choices"]:
+        ids = tokenizer(item["context"] + " " + choice)["input_ids"]
+        if ids[:len(context_ids)] != context_ids:   # the harness splits off the context the same way
+            raise ValueError(f"{item['id']}: the context's tokens change when the choice follows")
+        continuation = ids[len(context_ids):]
+        with torch.no_grad():
+            logits = model(torch.tensor([continuation]), cache=copy.deepcopy(context.cache)).logits
+        logp = torch.log_softmax(torch.cat([context.logits[0, -1:], logits[0, :-1]]), dim=-1)
+        scores.append(sum(float(logp[j, token]) for j, token in enumerate(continuation)))
+    return scores
+
+
+def reference_accuracy(model, tokenizer, items) -> tuple[float, float]:
+    """(acc, acc_norm) counted by hand: float64 log-likelihood of " choice" after the context, argmax (acc_norm:
+    divided by the choice's length in bytes, as the harness does)."""
     hits = hits_norm = 0
     for item in items:
-        context_ids = tokenizer(item["context"])["input_ids"]
-        scores = []
-        for choice in item["choices"]:
-            ids = tokenizer(item["context"] + " " + choice)["input_ids"]
-            if ids[:len(context_ids)] != context_ids:   # the harness splits off the context the same way
-                raise ValueError(f"{item['id']}: the context's tokens change when the choice follows")
-            with torch.no_grad():
-                logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
-            scores.append(sum(float(logp[j - 1, ids[j]]) for j in range(len(context_ids), len(ids))))
+        scores = choice_log_likelihoods(model, tokenizer, item)
         hits += max(range(4), key=lambda k: scores[k]) == item["label"]
         norm = [s / len((" " + c).encode("utf-8")) for s, c in zip(scores, item["choices"])]
         hits_norm += max(range(4), key=lambda k: norm[k]) == item["label"]
@@ -87,7 +112,29 @@ def reference_accuracy(model_dir, items) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_the_fixture_scores_like_a_float64_count(run_cli, model_path, tmp_path):
+def test_the_cached_context_gives_the_whole_pass_log_likelihoods(smollm2_float64):
+    """The reference's shortcut (context once, each choice from a copy of its cache) equals one whole float64
+    pass per choice: the first item (the shortest context), its first choice and its last (which would see a
+    cache changed by the choices before it)."""
+    import torch
+
+    from csd_pipeline.evaluation import next_sentence as ns
+
+    model, tokenizer = smollm2_float64
+    item = json.loads((ns.TASK_DIR / "devil.jsonl").read_text().splitlines()[0])
+    context_ids = tokenizer(item["context"])["input_ids"]
+    whole = []
+    for choice in (item["choices"][0], item["choices"][-1]):
+        ids = tokenizer(item["context"] + " " + choice)["input_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+        whole.append(sum(float(logp[j - 1, ids[j]]) for j in range(len(context_ids), len(ids))))
+    cached = choice_log_likelihoods(model, tokenizer, item)
+    assert [cached[0], cached[-1]] == pytest.approx(whole, rel=0, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_the_fixture_scores_like_a_float64_count(run_cli, model_path, smollm2_float64, tmp_path):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
     from csd_pipeline.evaluation import next_sentence as ns
 
@@ -105,7 +152,7 @@ def test_the_fixture_scores_like_a_float64_count(run_cli, model_path, tmp_path):
     assert results["csd_pipeline"]["model_path"] == str(model_path("smollm2-135m-instruct"))
     assert results["csd_pipeline"]["dtype"] == "float32" and results["n-samples"]["csd_next_sentence_devil"]["effective"] == n
     items = [json.loads(line) for line in (ns.TASK_DIR / "devil.jsonl").read_text().splitlines()][:n]
-    acc, acc_norm = reference_accuracy(model_path("smollm2-135m-instruct"), items)
+    acc, acc_norm = reference_accuracy(*smollm2_float64, items)
     assert (scores["acc,none"], scores["acc_norm,none"]) == pytest.approx((acc, acc_norm))
 
 
@@ -122,15 +169,12 @@ def float64_bits(model, tokenizer, text: str) -> tuple[float, int]:
 
 
 @pytest.mark.slow
-def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, model_path, tmp_path):
+def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, smollm2_float64, tmp_path):
     """csd_heldout_devil on two passages: each passage's bits per byte, their mean and its standard error
     (sample standard deviation over sqrt(n)), and the byte-weighted bits per byte equal a float64 reference."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
     import statistics
     from pathlib import Path
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import csd_pipeline.evaluation as evaluation
     from csd_pipeline.evaluation.task_data import load_task_jsonl
@@ -147,10 +191,8 @@ def test_the_heldout_text_task_scores_bits_per_byte_like_a_float64_sum(run_cli, 
     code, again, err = run_cli(command)   # the same model, task files, lm-eval and options: the cached scores
     assert code == 0, err
     assert "task scores reused from" in again and json.loads(output.read_text())["results"]["csd_heldout_devil"] == scores
-    folder = model_path("smollm2-135m-instruct")
     documents = load_task_jsonl(Path(evaluation.__file__).parent / "tasks" / "heldout_text", "devil.jsonl")["test"]
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    model, tokenizer = smollm2_float64
     counts = [float64_bits(model, tokenizer, documents[i]["text"]) for i in range(n)]
     per_passage = [nats / size / math.log(2) for nats, size in counts]
     assert len(set(per_passage)) == n   # distinct passages: a standard error of zero would prove nothing

@@ -11,7 +11,7 @@ Anything else fails the example: another exception type, a read slower than `EXA
 `signal.setitimer` alarm interrupts it), a resident-memory high-water mark growing by more than
 `MEMORY_LIMIT`, or a silently different value. `CSD_FUZZ_REPORT=FILE` appends each test's counts as one JSON
 line (what docs/RELIABILITY.md's fuzzing table is made from). The slow tier (`-m slow`) runs `SLOW_EXAMPLES`
-examples per reader, the fast tier `FAST_EXAMPLES`; both are derandomized (the same examples on every run)
+examples per reader (`COSTLY_SLOW_EXAMPLES` for the tokenizer files), the fast tier `FAST_EXAMPLES`; both are derandomized (the same examples on every run)
 unless `CSD_FUZZ_RANDOM=1`.
 """
 
@@ -44,6 +44,11 @@ FAST = settings(max_examples=FAST_EXAMPLES, **_COMMON)
 SLOW = settings(max_examples=SLOW_EXAMPLES, **_COMMON)
 # each reader's test runs at both: `@pytest.mark.parametrize("settings", SPEEDS)` (slow: the slow tier)
 SPEEDS = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow", marks=pytest.mark.slow)]
+# readers whose every read example costs a whole tokenizer load (~0.1 s): fewer slow-tier examples, unless
+# CSD_FUZZ_EXAMPLES asks for a number (the test suite's time budget, issue 41)
+COSTLY_SLOW_EXAMPLES = int(os.environ.get("CSD_FUZZ_EXAMPLES", 100))
+COSTLY_SPEEDS = [pytest.param(FAST, id="fast"),
+                 pytest.param(settings(max_examples=COSTLY_SLOW_EXAMPLES, **_COMMON), id="slow", marks=pytest.mark.slow)]
 
 PATHS = ["../../etc/passwd", "/etc/passwd", "part-00000-00000.parquet/../../x", "", ".", "..", "a\x00b",
          "~/x", "done/../../../x", "tables/../../escape.safetensors"]

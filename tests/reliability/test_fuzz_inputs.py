@@ -118,7 +118,7 @@ def tokenizer_values(bundle):
             [e.ids.tolist() for e in bundle.encode_spans(["The Devil's Dictionary, 1911: caf\u00e9 \u4e2d"])])
 
 
-@pytest.mark.parametrize("settings", fc.SPEEDS)
+@pytest.mark.parametrize("settings", fc.COSTLY_SPEEDS)
 @pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
 def test_fuzz_tokenizer(tokenizer_path, tmp_path, monkeypatch, settings, name):
     from csd_pipeline.vocab.vocabulary import load_tokenizer

@@ -50,7 +50,7 @@ def test_tasks_run_on_the_exports_and_reach_the_metrics_trackers_and_report(trai
 
     from csd_pipeline.evaluation import next_sentence as ns
     from csd_pipeline.report.render import write_report
-    from tests.evaluation.test_harness import reference_accuracy
+    from tests.evaluation.test_harness import float64_model, reference_accuracy
     from trainer.loop import train
 
     for key, value in OFFLINE.items():
@@ -64,7 +64,7 @@ def test_tasks_run_on_the_exports_and_reach_the_metrics_trackers_and_report(trai
     items = [json.loads(line) for line in (ns.TASK_DIR / "devil.jsonl").read_text().splitlines()][:LIMIT]
     # step 1 was scored on the scratch export (written for it), step 2 on the final one
     for record, export in zip(records, (output / "export-eval-tasks", output / "export"), strict=True):
-        acc, acc_norm = reference_accuracy(export, items)
+        acc, acc_norm = reference_accuracy(*float64_model(export), items)
         assert (record[f"eval/{TASK}/acc"], record[f"eval/{TASK}/acc_norm"]) == pytest.approx((acc, acc_norm))
         assert record[f"eval/{TASK}/acc_stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) / (LIMIT - 1)))
         harness = json.loads((output / "eval-tasks" / f"step-{record['step']:08d}.json").read_text())
