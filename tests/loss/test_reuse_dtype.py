@@ -110,29 +110,36 @@ def test_16bit_kept_near_one_and_tiny_probabilities(reuse_dtype):
     assert float(err.max()) > 0  # the 16-bit rounding happened
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("reuse_dtype", ["float16", "bfloat16"])
-def test_16bit_kept_csd_loss_against_the_float64_reference(case_of, reuse_dtype):  # noqa: F811 (the fixture)
-    """CE + CSD on real llama-bpe / qwen2 rows (top-k teacher): loss equal to the float64 reference;
-    gradients within the bound, G of each position read off the reference's logits gradient."""
+@pytest.fixture(scope="module")
+def qwen2_reference(case_of):  # noqa: F811 (the fixture)
+    """The llama-bpe / qwen2 top-k case, its events and its float64 reference (loss; d loss / d logits), shared by
+    both 16-bit dtypes."""
     case: Case = case_of("llama-bpe/qwen2")
     rows, teachers = case.teacher_rows("topk")
-    batch, (cp, ct) = case.events(rows, teachers)
+    batch, targets = case.events(rows, teachers)
+    logits = [(x @ case.weight.T).requires_grad_(True) for x in case.hidden]
+    ref = reference_loss(logits, rows, case.s_ref, [ReferenceTeacher(case.t_ref, teachers)])
+    ref["loss"].backward()
+    return case, batch, targets, float(ref["loss"].detach()), torch.cat([x.grad for x in logits])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reuse_dtype", ["float16", "bfloat16"])
+def test_16bit_kept_csd_loss_against_the_float64_reference(qwen2_reference, reuse_dtype):
+    """CE + CSD on real llama-bpe / qwen2 rows (top-k teacher): loss equal to the float64 reference;
+    gradients within the bound, G of each position read off the reference's logits gradient."""
+    case, batch, (cp, ct), ref_loss, d = qwen2_reference
     h0, w0 = torch.cat(case.hidden), case.weight
     h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
     out = csd_loss(hidden=h, weight=w, ce_positions=cp, ce_tokens=ct, teachers=[batch], chunk_size=37,
                    reuse_bytes=ALL, reuse_dtype=reuse_dtype)
     out.loss.backward()
-    logits = [(x @ w0.T).requires_grad_(True) for x in case.hidden]
-    ref = reference_loss(logits, rows, case.s_ref, [ReferenceTeacher(case.t_ref, teachers)])
-    ref["loss"].backward()
-    d = torch.cat([x.grad for x in logits])
     full = h0 @ w0.T
     probs = torch.softmax(full, -1)
     # d = scatter(g) - G p: where nothing was requested, G = -d / p (the median over the row)
     g_position = (-d / probs).median(dim=-1).values
     bound = _entry_bound(full, g_position, reuse_dtype)
-    assert abs(float(out.loss.detach()) - float(ref["loss"].detach())) < 1e-10
+    assert abs(float(out.loss.detach()) - ref_loss) < 1e-10
     assert bool(((h.grad - d @ w0).abs() <= bound @ w0.abs() * (1 + 1e-6) + 1e-12).all())
     assert bool(((w.grad - d.T @ h0).abs() <= bound.T @ h0.abs() * (1 + 1e-6) + 1e-12).all())
     assert float((w.grad - d.T @ h0).abs().max()) > 0

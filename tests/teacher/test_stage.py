@@ -625,15 +625,20 @@ def cli_args(aligned_dir, teacher, output):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_bytes(aligned, tiny_teacher, tiny_output, tmp_path):
+def test_killed_run_resumes_to_the_same_bytes(aligned, tiny_teacher, tiny_output, tmp_path, capsys):
     out = tmp_path / "out"
     # SIGKILLed after the first shard is complete, with the second written but not yet renamed.
     crashed = cli(cli_args(aligned, tiny_teacher, out), {"CSD_TEST_CRASH": "before_rename:2"}, check=False)
     assert crashed.returncode != 0 and not (out / "manifest.json").exists()
     assert (out / "done" / "part-00000-00000.done").is_file()
     assert any(p.name.endswith(".tmp") for p in out.iterdir())
-    resumed = cli(cli_args(aligned, tiny_teacher, out))
-    assert "1 of 3 shards already complete" in resumed.stderr
+    # The resume through the same CLI, in this process (a second interpreter would only import torch again).
+    from cli.main import cli as group
+    from cli.main import run_cli
+
+    capsys.readouterr()
+    run_cli(group, cli_args(aligned, tiny_teacher, out))  # a failure raises SystemExit
+    assert "1 of 3 shards already complete" in capsys.readouterr().err
     assert output_bytes(out) == output_bytes(tiny_output)
     # A complete output is skipped on a re-run.
     again = run_stage(aligned, tiny_teacher, out)

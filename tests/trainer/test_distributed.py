@@ -35,17 +35,29 @@ def torchrun(nproc: int, args: list[str], timeout: int = 180) -> subprocess.Comp
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-@pytest.mark.slow
-def test_two_gloo_ranks_learn(trainer_data, tmp_path):
-    output = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_rank_run(trainer_data, tmp_path_factory):
+    """One `torchrun --nproc-per-node 2` run, shared by the tests below: 8 CE steps, a checkpoint every 4, one
+    worker per rank, the harness task at the end and held-out rows of two sources; (output, held-out dir)."""
+    from tests.trainer_cases import DATA, align
+
+    root = tmp_path_factory.mktemp("two-ranks")
+    heldout = align([DATA / "devil-slice.txt", DATA / "kjv-genesis-slice.txt"], root / "heldout")
+    output = root / "run"
     args = ["--aligned", str(trainer_data["train"]), "--student-config", str(trainer_data["student_config"]),
             "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "8",
             "--seq-len", "128", "--batch-size", "1", "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "4",
-            "--workers", "1", "--no-progress",
+            "--workers", "1", "--no-progress", "--eval-aligned", str(heldout),
             # rank 0 runs the harness in its own process at the end while rank 1 waits (docs/TRAINING.md)
             "--eval-tasks", "csd_next_sentence_devil", "--eval-tasks-limit", "2"]
     run = torchrun(2, args, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    return output, heldout
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_learn(two_rank_run):
+    output, _ = two_rank_run
     rows = [json.loads(line) for line in open(output / "metrics.jsonl", encoding="utf-8")]
     assert [r["step"] for r in rows] == list(range(1, 9))
     first_half = sum(r["ce"] for r in rows[:3]) / 3
@@ -62,23 +74,17 @@ def test_two_gloo_ranks_learn(trainer_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_sum_the_heldout_figures_per_source(trainer_data, tmp_path):
+def test_two_gloo_ranks_sum_the_heldout_figures_per_source(two_rank_run):
     """Each rank scores its own held-out rows; the per-source sums are all-reduced like the overall ones, so
     they match one process scoring every row of the exported student."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from csd_pipeline.evaluation.bits_per_byte import bits_per_byte
-    from tests.trainer_cases import DATA, align
 
-    heldout = align([DATA / "devil-slice.txt", DATA / "kjv-genesis-slice.txt"], tmp_path / "heldout")
-    output = tmp_path / "run"
-    run = torchrun(2, ["--aligned", str(trainer_data["train"]), "--student-config", str(trainer_data["student_config"]),
-                       "--student-tokenizer", "llama-spm", "--output", str(output), "--loss", "ce", "--steps", "2",
-                       "--seq-len", "128", "--batch-size", "1", "--lr", "3e-3", "--warmup-steps", "1",
-                       "--save-every", "0", "--workers", "0", "--no-progress", "--eval-aligned", str(heldout)])
-    assert run.returncode == 0, run.stderr[-3000:]
+    output, heldout = two_rank_run
     logged = [json.loads(line) for line in open(output / "eval.jsonl", encoding="utf-8")][-1]
+    assert logged["step"] == 8
     model = AutoModelForCausalLM.from_pretrained(output / "export", dtype=torch.float32).eval()
     alone = bits_per_byte(model, heldout, seq_len=128, batch_size=1)
     assert len(logged["sources"]) == 2 and set(logged["sources"]) == set(alone["sources"])
