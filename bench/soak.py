@@ -113,7 +113,8 @@ def hooks_for(kind: str, engine: str) -> tuple[str, ...]:
 def plan(commands: list[Command], durations: list[float], kills: int, rng: random.Random,
          engine: str = "local") -> list[Kill]:
     """`kills` kills over the commands, more where more time is spent; a command's second and later
-    kills are in a recovery one time in three; with as many kills as commands, each command gets one."""
+    kills are in a recovery one time in three; each command gets one when there are kills to spare (with
+    the recipe's four stages, five kills are enough)."""
     planned, per_command = [], [0] * len(commands)
     for _ in range(kills):
         index = rng.choices(range(len(commands)), weights=durations)[0]
@@ -176,7 +177,7 @@ def _redundant(kill: Kill, planned: list[Kill], wanted) -> bool:
 
 
 def _ensure_each_command(planned: list[Kill], commands: list[Command], wanted) -> None:
-    """With at least as many kills as commands, every command is killed at least once: a command the draws
+    """With kills to spare, every command is killed at least once: a command the draws
     left out takes a spare kill (from a command with another, and not the only one of a phase above) as a
     `time` kill in the first half of its run (before it could finish: a kill it outlives goes to the next
     command)."""
