@@ -113,7 +113,8 @@ def hooks_for(kind: str, engine: str) -> tuple[str, ...]:
 def plan(commands: list[Command], durations: list[float], kills: int, rng: random.Random,
          engine: str = "local") -> list[Kill]:
     """`kills` kills over the commands, more where more time is spent; a command's second and later
-    kills are in a recovery one time in three."""
+    kills are in a recovery one time in three; each command gets one when there are kills to spare (with
+    the recipe's four stages, five kills are enough)."""
     planned, per_command = [], [0] * len(commands)
     for _ in range(kills):
         index = rng.choices(range(len(commands)), weights=durations)[0]
@@ -126,8 +127,15 @@ def plan(commands: list[Command], durations: list[float], kills: int, rng: rando
         per_command[index] += 1
     if kills >= 3:
         _ensure_each_phase(planned, commands)
-    # each command's kills in the order drawn, a manifest kill last (after it the command has little left)
-    return sorted(planned, key=lambda k: (k.command, k.hook == "manifest_written"))
+    # each command's kills in the order drawn, a manifest kill last (after it the command has little left),
+    # but never a recovery first (it needs a killed run to recover from: the manifest kill then goes first)
+    ordered = sorted(planned, key=lambda k: (k.command, k.hook == "manifest_written"))
+    for index in range(len(commands)):
+        mine = [i for i, k in enumerate(ordered) if k.command == index]
+        lead = next((i for i in mine if ordered[i].trigger != "recovery"), None)
+        if mine and ordered[mine[0]].trigger == "recovery" and lead is not None:
+            ordered.insert(mine[0], ordered.pop(lead))
+    return ordered
 
 
 def _ensure_each_phase(planned: list[Kill], commands: list[Command]) -> None:
@@ -141,11 +149,14 @@ def _ensure_each_phase(planned: list[Kill], commands: list[Command]) -> None:
     for present, targets, trigger, hook in wanted:
         if targets and not any(present(k) for k in planned):
             mine = [k for k in planned if k.command in targets] or planned
-            victim = next((k for k in reversed(mine) if not any(p(k) for p, *_ in wanted)), mine[-1])
+            free = [k for k in [*reversed(mine), *reversed(planned)] if _redundant(k, planned, wanted)]
+            victim = free[0] if free else mine[-1]  # the targets' own kills first
             victim.command, victim.trigger, victim.hook = targets[-1], trigger, hook
+    _ensure_each_command(planned, commands, wanted)
     recovery = next(k for k in planned if k.trigger == "recovery")
     if sum(k.command == recovery.command for k in planned) == 1:  # a recovery needs a kill before it
-        spare = next((k for k in planned if k is not recovery and not any(p(k) for p, *_ in wanted)), None)
+        spare = next((k for k in planned if k is not recovery and not any(p(k) for p, *_ in wanted)
+                      and sum(other.command == k.command for other in planned) > 1), None)
         if spare is not None:
             spare.command, spare.trigger, spare.hook = recovery.command, "time", ""
     for index in range(len(commands)):
@@ -158,6 +169,27 @@ def _ensure_each_phase(planned: list[Kill], commands: list[Command]) -> None:
                 swapped = (other.trigger, other.hook, other.fraction)
                 other.trigger, other.hook, other.fraction = mine[0].trigger, mine[0].hook, mine[0].fraction
                 mine[0].trigger, mine[0].hook, mine[0].fraction = swapped
+
+
+def _redundant(kill: Kill, planned: list[Kill], wanted) -> bool:
+    """Whether every phase `kill` is in has another kill: it can be moved without losing a phase."""
+    return all(any(present(k) for k in planned if k is not kill) for present, *_ in wanted if present(kill))
+
+
+def _ensure_each_command(planned: list[Kill], commands: list[Command], wanted) -> None:
+    """With kills to spare, every command is killed at least once: a command the draws
+    left out takes a spare kill (from a command with another, and not the only one of a phase above) as a
+    `time` kill in the first half of its run (before it could finish: a kill it outlives goes to the next
+    command)."""
+    if len(planned) < len(commands):
+        return
+    for index in range(len(commands)):
+        if any(k.command == index for k in planned):
+            continue
+        kill = next((k for k in reversed(planned) if _redundant(k, planned, wanted)
+                     and sum(other.command == k.command for other in planned) > 1), None)
+        if kill is not None:
+            kill.command, kill.trigger, kill.hook, kill.fraction = index, "time", "", kill.fraction / 2
 
 
 def hook_env(kill: Kill, command: Command, options) -> str:

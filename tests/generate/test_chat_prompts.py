@@ -105,7 +105,7 @@ def test_prompt_ids_are_the_templates_generation_prompt(model_path):
 
 
 @pytest.mark.slow
-def test_chat_mode_aligns_the_output_with_loss_on_the_written_turn_only(generated, model_path, tmp_path):
+def test_chat_mode_aligns_the_output_with_loss_on_the_written_turn_only(generated, model_path, tables_for, tmp_path):
     import pyarrow.parquet as pq
 
     from csd_pipeline.align.config import AlignConfig
@@ -116,7 +116,8 @@ def test_chat_mode_aligns_the_output_with_loss_on_the_written_turn_only(generate
 
     folder = str(model_path(MODEL))
     run_align(AlignConfig(corpus=[str(generated)], mode="chat", student_tokenizer=folder, teacher_tokenizers=["qwen2"],
-                          output=str(tmp_path / "aligned"), max_student_tokens=1024, max_teacher_tokens=[1024]))
+                          output=str(tmp_path / "aligned"), max_student_tokens=1024, max_teacher_tokens=[1024],
+                          tables=[tables_for("smollm2", "qwen2")]))  # the model's tokenizer is the smollm2 fixture's
     bundle = load_tokenizer(folder)
     prompter = ChatPrompter(bundle, None)
     end_of_turn = bundle.tokenizer.token_to_id("<|im_end|>")

@@ -13,7 +13,7 @@ import pytest
 
 from csd_pipeline.generate.rounds import RoundsConfig, run_rounds, train_command
 from csd_pipeline.runtime.manifest import read_manifest
-from tests.onpolicy_cases import REPO, prompt_corpus, tiny_student
+from tests.onpolicy_cases import REPO, prompt_corpus
 
 
 def _config(tmp_path, student, prompts, **overrides) -> RoundsConfig:
@@ -25,8 +25,8 @@ def _config(tmp_path, student, prompts, **overrides) -> RoundsConfig:
 
 
 @pytest.mark.slow
-def test_two_rounds_keep_their_outputs_chain_the_students_and_resume(tmp_path, fixtures_dir):
-    student = tiny_student(tmp_path / "student")
+def test_two_rounds_keep_their_outputs_chain_the_students_and_resume(tmp_path, tiny_student):
+    student = tiny_student
     prompts = prompt_corpus(tmp_path / "prompts.jsonl", documents=3)
     lines: list[str] = []
     last = run_rounds(_config(tmp_path, student, prompts), log=lines.append)

@@ -92,14 +92,15 @@ def test_kill_and_resume_end_with_the_same_bytes(inputs, sampled, tmp_path):
     assert _shards(tmp_path / "killed") == _shards(sampled)
 
 
-def test_align_reads_the_output_and_trains_only_on_samples(inputs, sampled, tmp_path, tokenizer_path):
+def test_align_reads_the_output_and_trains_only_on_samples(inputs, sampled, tmp_path, tokenizer_path, tables_for):
     from csd_pipeline.align.config import AlignConfig
     from csd_pipeline.align.output import AlignedOutput
     from csd_pipeline.align.stage import run_align
     from csd_pipeline.vocab.vocabulary import load_tokenizer
 
     run_align(AlignConfig(corpus=[str(sampled)], student_tokenizer=str(inputs[0]),
-                          teacher_tokenizers=["smollm2"], output=str(tmp_path / "aligned"), max_student_tokens=256))
+                          teacher_tokenizers=["smollm2"], output=str(tmp_path / "aligned"), max_student_tokens=256,
+                          tables=[tables_for("llama-spm", "smollm2")]))  # the student's tokenizer is llama-spm's
     records = [json.loads(line) for shard in _shards(sampled) for line in shard.decode().splitlines()]
     vocab = load_tokenizer(str(tokenizer_path("llama-spm"))).vocab
     import pyarrow.parquet as pq

@@ -30,11 +30,23 @@ def run(*args, env: dict | None = None, timeout: int = 300) -> subprocess.Comple
                           text=True, timeout=timeout)
 
 
+def pair_tables() -> list[str]:
+    """The llama-spm/smollm2 tables, built once and cached next to the fixtures (tests/csd_cases.py)."""
+    from csd_pipeline.fixtures.names import tokenizer_path
+    from tests.csd_cases import bundle, cached_table_file
+
+    student, teacher = bundle(tokenizer_path, "llama-spm"), bundle(tokenizer_path, "smollm2")
+    return [cached_table_file(student, teacher), cached_table_file(teacher, student)]
+
+
 def align_args(output, *extra) -> list[str]:
-    """`csd-pipeline align` of the devil slice (llama-spm student, smollm2 teacher, 3 shards)."""
+    """`csd-pipeline align` of the devil slice (llama-spm student, smollm2 teacher, 3 shards), with the cached
+    tables unless `extra` gives its own (a table build would add seconds to every process)."""
+    tables = [] if "--tables" in extra else ["--tables", *pair_tables()]
     return ["cli.main", "align", "--corpus", "tests/data/devil-slice.txt", "--student-tokenizer", "llama-spm",
             "--teacher-tokenizer", "smollm2", "--output", str(output), "--split-on-blank-lines",
-            "--shard-mb", str(2000 / (1 << 20)), "--max-student-tokens", "128", "--quiet", *map(str, extra)]
+            "--shard-mb", str(2000 / (1 << 20)), "--max-student-tokens", "128", "--quiet", *tables,
+            *map(str, extra)]
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:

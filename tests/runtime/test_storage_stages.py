@@ -24,8 +24,10 @@ from tests.trainer_cases import DATA, STUDENT_CONFIG
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+PAIR_TABLES = ("pair-tables/student_to_teacher.safetensors", "pair-tables/teacher_to_student.safetensors")
 STAGE_ARGS = ["--split-on-blank-lines", "--student-tokenizer", "llama-spm", "--teacher-tokenizer", "smollm2",
-              "--max-student-tokens", "128", "--shard-mb", str(2000 / (1 << 20)), "--quiet"]
+              "--max-student-tokens", "128", "--shard-mb", str(2000 / (1 << 20)), "--quiet",
+              "--tables", *PAIR_TABLES]  # the cached tables (copied into `work`): no align builds them again
 TRAIN_ARGS = ["--student-tokenizer", "llama-spm", "--steps", "2", "--seq-len", "128", "--batch-size", "2",
               "--lr", "3e-3", "--warmup-steps", "1", "--save-every", "1", "--workers", "0", "--no-progress"]
 
@@ -63,13 +65,18 @@ def local_files(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, s3_server):
+def work(tmp_path_factory, s3_server, tables_for):
     """A folder with the corpus (botchan slice, first 2500 characters) under `corpus/`, the same corpus
-    in a bucket, a tiny random teacher (smollm2 tokenizer) and the tiny student config."""
+    in a bucket, a tiny random teacher (smollm2 tokenizer), the tiny student config and the pair's tables."""
+    import shutil
+
     from csd_pipeline.fixtures.names import tokenizer_path
     from tests.teacher.test_stage import make_tiny_teacher
 
     root = tmp_path_factory.mktemp("s3-stages")
+    (root / "pair-tables").mkdir()
+    for cached, name in zip(tables_for("llama-spm", "smollm2"), PAIR_TABLES, strict=True):
+        shutil.copyfile(cached, root / name)
     (root / "corpus").mkdir()
     (root / "corpus" / "botchan.txt").write_text((DATA / "botchan-slice.txt").read_text(encoding="utf-8")[:2500],
                                                  encoding="utf-8")
