@@ -83,6 +83,32 @@ def sh(cmd: list[str], *, capture: bool = False) -> str:
     return result.stdout if capture else ""
 
 
+def sh_side_by_side(commands: dict[str, list], out: Path) -> None:
+    """Run `commands` at once, each with one thread (OMP_NUM_THREADS=1 unless set) and its output in
+    OUT/<name>.log; print each command first and its log's last lines after; stop the demo if one fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    started, running = time.perf_counter(), {}
+    for name, cmd in commands.items():
+        log = out / f"{name}.log"
+        shown = " ".join(shlex.quote(str(c)) for c in cmd).replace(str(BIN) + "/", "").replace(str(ROOT) + "/", "")
+        print(f"\n$ OMP_NUM_THREADS={env['OMP_NUM_THREADS']} {shown} > {log}", flush=True)
+        handle = open(log, "w", encoding="utf-8")
+        running[name] = (subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=handle,
+                                          stderr=subprocess.STDOUT, text=True), handle, log)
+    failed = None
+    for name, (process, handle, log) in running.items():
+        code = process.wait()
+        handle.close()
+        print(f"\n{log}:\n" + "".join(f"  {line}\n" for line in log.read_text(encoding="utf-8").splitlines()[-4:]))
+        failed = failed or (code and (name, code, log))
+    if failed:
+        print(f"demo: {failed[0]} failed (exit {failed[1]}); its output is in {failed[2]}", file=sys.stderr)
+        sys.exit(failed[1])
+    seconds = time.perf_counter() - started
+    STAGE_SECONDS[_stage[0]] = STAGE_SECONDS.get(_stage[0], 0.0) + seconds
+    print(f"  ({seconds:.1f} s)", flush=True)
+
+
 def tool(name: str) -> str:
     return str(BIN / name)
 
@@ -124,11 +150,12 @@ def main(argv: list[str]) -> int:
 
     stage("4. train: a CSD student and a CE-only twin, identical but for the loss")
     config = "demo/student-config.json"
-    for arm in ("csd", "ce"):
-        sh([train_cmds, *recipe_args(arm), "--aligned", aligned, "--teacher-logits", teacher_dir, "--student-config", config,
-            "--student-tokenizer", STUDENT_TOKENIZER, "--output", out / f"student-{arm}",
-            "--steps", str(args.steps), "--eval-aligned", heldout, "--eval-every", str(max(args.steps // 5, 1)),
-            "--eval-tasks", TASKS])   # the tasks at the end only: each run costs minutes
+    # the two students side by side, one thread each (on 2 cores: about 1.6 times faster than one after the other)
+    sh_side_by_side({arm: [train_cmds, *recipe_args(arm), "--aligned", aligned, "--teacher-logits", teacher_dir,
+                           "--student-config", config, "--student-tokenizer", STUDENT_TOKENIZER,
+                           "--output", out / f"student-{arm}", "--steps", str(args.steps), "--eval-aligned", heldout,
+                           "--eval-every", str(max(args.steps // 5, 1)), "--eval-tasks", TASKS]
+                     for arm in ("csd", "ce")}, out)   # the tasks at the end only
 
     stage("5. held-out bits per byte (same bytes for every model)")
     scores = {}

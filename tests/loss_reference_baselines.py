@@ -8,7 +8,7 @@ Deliberately independent of `csd_pipeline.events.baseline_rows`, `baselines.py` 
   of the whole row, its tail from what the sort leaves; the divergences are written out term by term;
 - gradients come from plain torch autograd through these dense operations.
 
-The formulas are the offline versions that docs/TRAINING.md states (stored top-k plus the observed
+The formulas are the offline versions that docs/LOSSES.md states (stored top-k plus the observed
 token as the teacher's explicit entries, one tail bucket for the rest).
 """
 

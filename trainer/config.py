@@ -127,7 +127,7 @@ class LossConfig:
 
     loss: str = option("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
                             "alm (tokenkit's Approximate Likelihood Matching), or kd (same-tokenizer KD; "
-                            "docs/TRAINING.md)", trajectory=True, choices=tuple(LOSSES))
+                            "docs/LOSSES.md)", trajectory=True, choices=tuple(LOSSES))
     divergence: str = option(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
     beta: float = option(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
     kd_scale: str = option("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
@@ -138,7 +138,7 @@ class LossConfig:
                                    trajectory=True)
     kd_combine: str = option("sum", "several teachers: sum (KD = sum of weight x each teacher's mean over its chunks) "
                                   "or select (per group of chunks the teacher that covers it and gives its text the "
-                                  "highest log-probability; one mean over the kept chunks; docs/TRAINING.md)",
+                                  "highest log-probability; one mean over the kept chunks; docs/LOSSES.md)",
                            trajectory=True, choices=KD_COMBINES)
     teacher_temperature: float = option(1.0, "T, softens each chunk's teacher distribution (events and REST) to "
                                            "P^(1/T), renormalised (1: the paper's)", trajectory=True)

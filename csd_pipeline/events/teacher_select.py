@@ -10,7 +10,7 @@ so comparable) is chosen, ties to the lower teacher index. When no teacher cover
 teacher whose KD chunks cover most of its student tokens is chosen (ties: the higher log-probability,
 then the lower index). Only the chosen teacher's chunks of a group are kept; the KD term is then
 the sum of the kept chunks' divergences over all teachers divided by the number of kept chunks
-(docs/TRAINING.md).
+(docs/LOSSES.md).
 
 `select_row` applies the rule to one row's events (one `BatchEvents` per teacher, row-local); the
 data loader (`trainer/loader.py`) calls it for every window before `collate_events`.

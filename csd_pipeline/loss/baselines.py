@@ -1,4 +1,4 @@
-"""The baseline losses of `csd-train --loss uld|gold|strict`, from the same shards as CSD (docs/TRAINING.md).
+"""The baseline losses of `csd-train --loss uld|gold|strict`, from the same shards as CSD (docs/LOSSES.md).
 
 They read, per accepted chunk, the teacher's explicit entries at the chunk's final predictor
 position (the stored top-k plus the observed token, `events.baseline_rows.BaselineRows`) and the

@@ -51,7 +51,7 @@ def check_divergence(divergence: str) -> None:
 
 
 # How several teachers' KD terms combine: a weighted sum of per-teacher means, or one teacher per group
-# of chunks (`events.teacher_select`) and one mean over the kept chunks (docs/TRAINING.md).
+# of chunks (`events.teacher_select`) and one mean over the kept chunks (docs/LOSSES.md).
 KD_COMBINES = ("sum", "select")
 
 

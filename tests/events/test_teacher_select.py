@@ -4,7 +4,7 @@ Student llama-spm, teachers smollm2 (49k ids) and gemma3 (262k ids), real text. 
 the groups by itself: each teacher's chunk boundaries as byte offsets of the text (from the
 teacher's own token spans), the offsets common to both teachers, the student tokens and teacher
 tokens inside each group by their bytes, the teachers' log-likelihoods of each group from their
-dense log-probs, and chooses as docs/TRAINING.md says. It then marks the chunks it drops as not
+dense log-probs, and chooses as docs/LOSSES.md says. It then marks the chunks it drops as not
 accepted and evaluates `tests.loss_reference.reference_loss` on those rows; the implementation goes
 through the loader's path (`build_row_events`, `teacher_select.select_windows`, `collate_events`,
 `csd_loss` with the combined chunk count).
