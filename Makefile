@@ -85,14 +85,20 @@ lock:
 fixtures: venv
 	$(VENV)/bin/csd-pipeline fixtures
 
-# both tiers in two worker processes, a test file each at a time (pytest-xdist): the budgets are 10 minutes
-# (make test) and 2 minutes (make test-fast) on 2 cores; one process took 619 s for the whole suite; the 15
-# slowest tests are listed at the end, to see where the budget goes
+# both tiers in two worker processes, a test file each at a time (pytest-xdist), ONE torch thread each: two
+# workers of 2 threads on 2 cores thrash (the suite took 1,049 s so, 514 s with one thread each); the longest
+# files first, so that the last minutes are not one long file on one worker (docs/TESTING.md); budgets: 8 minutes
+# (make test) and 90 s (make test-fast) on 2 cores; the 15 slowest tests are listed at the end
+TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+LONG_FILES := tests/runtime/test_storage_stages.py tests/reliability/test_soak.py tests/runtime/test_ray_engine.py \
+	tests/fixtures/test_fixtures.py tests/evaluation/test_harness.py tests/align/test_chat.py tests/teacher/test_stage.py \
+	tests/reliability/test_checkpoint.py tests/trainer/test_export.py tests/reliability/test_fuzz_inputs.py \
+	tests/bench/test_gpu_check.py tests/teacher/test_served.py tests/trainer/test_distributed.py
 test: fixtures
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 $(LONG_FILES) tests
 
 test-fast: fixtures
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" $(LONG_FILES) tests
 
 # STUDENT / TEACHER: a fixture name (llama-bpe, qwen2, gpt-2, llama-spm, smollm2) or a tokenizer path.
 tables: fixtures

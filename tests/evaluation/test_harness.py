@@ -45,6 +45,7 @@ def test_list_tasks_puts_the_projects_first_then_the_users_then_the_harness(run_
     assert "hellaswag" in names[4:] and len(names) > 1000
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_path):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
     output = tmp_path / "r.json"

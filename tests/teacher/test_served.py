@@ -146,6 +146,7 @@ def answer_from(model_dir):
     return call
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 @pytest.mark.parametrize("options", [{}, pytest.param({"min_p": 0.05}, marks=pytest.mark.slow)])
 def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, tmp_path, monkeypatch, options):  # noqa: F811
     from csd_pipeline import read_teacher_topk

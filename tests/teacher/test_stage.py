@@ -386,6 +386,7 @@ def test_min_p_out_of_range_is_refused(aligned, tiny_teacher, tmp_path):
 TAIL_SAMPLES = 16
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_tail_samples_store_the_kept_entries_and_draws_from_the_rest(aligned, tiny_teacher, tmp_path):
     """--tail-samples N (with --min-p): each position holds its kept entries at their float64 values, and
     distinct ids from outside them (never the observed token, unless at its exact value) at log(c * m / N),

@@ -160,6 +160,7 @@ def test_every_tokenizer_and_processor_file_is_carried(tokenizer_path, tmp_path)
                 assert (output / path.relative_to(source)).read_bytes() == path.read_bytes(), path
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_export_that_does_not_reproduce_the_student_is_one_error_and_the_checkpoint_stays(
         trainer_data, tmp_path, monkeypatch, capsys, one_thread):
     import transformers

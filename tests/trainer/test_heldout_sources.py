@@ -53,6 +53,7 @@ def _old_overall(wrapper, aligned, seq_len, batch_size):
     return nats, n_bytes
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_every_evaluation_records_each_source_and_they_recombine(run):
     evaluation = [json.loads(line) for line in open(run / "eval.jsonl", encoding="utf-8")]
     assert [r["step"] for r in evaluation] == [2, 3]

@@ -108,6 +108,7 @@ def test_student_tokenizer_mismatch_names_the_stage(trainer_data, tmp_path):
         train(parse_args(args))
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_gradient_accumulation_matches_the_larger_batch(trainer_data, tmp_path, one_thread):
     # greedy packing puts the same windows in two 1-row micro-batches as in one 2-row batch, and the
     # loss is divided by the global CE-token count of the whole step: the steps must agree (with one
@@ -204,6 +205,7 @@ def test_teacher_bits_per_byte_reads_the_teachers_own_ids(trainer_data, referenc
         bits_per_byte(teacher, trainer_data["eval"], side=0, seq_len=128, batch_size=2, max_rows=1, fingerprint="0" * 64)
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_the_teachers_score_is_recorded_and_a_student_below_it_is_warned_about(trainer_data, tmp_path, one_thread,
                                                                                 capfd):
     """--eval-teacher-bits-per-byte: every evaluation records the teacher's figure; a student that scores

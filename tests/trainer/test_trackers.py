@@ -74,6 +74,7 @@ def wandb_records(path):
             yield record
 
 
+@pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
 def test_wandb_offline_run_holds_the_metrics(trainer_data, tmp_path, monkeypatch, one_thread):
     pytest.importorskip("wandb")  # an optional extra: `pip install 'csd-pipeline[wandb]'`
     monkeypatch.setenv("WANDB_MODE", "offline")
