@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.events.batch import chunk_shape
+from csd_pipeline.events.batch import ChunkShapeCounts, chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks, teacher_positions
 
 WHITESPACE_FIRST_BYTES = (0x20, 0x09, 0x0A)  # tokenkit's space_mask_mode "space+tab+newline" (+ "special")
@@ -52,7 +52,7 @@ def space_mask(vocab) -> np.ndarray:
 
 
 @dataclass
-class AlmRows:
+class AlmRows(ChunkShapeCounts):
     """Per accepted chunk of a row or batch, what the ALM loss reads (numpy; torch after `.to`).
 
     chunk_shape: int64 [C] (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N); chain_pos / chain_tok / chain_chunk:
@@ -73,18 +73,6 @@ class AlmRows:
     student_space: Any
     debias: bool = True
     stats: dict = field(default_factory=dict)
-
-    @property
-    def num_chunks(self) -> int:
-        return int(self.chunk_shape.shape[0])
-
-    def shape_counts(self) -> list[int]:
-        """Chunks per shape [1:1, 1:N, M:1, M:N]."""
-        counts = self.stats.get("shape_counts")
-        if counts is not None:
-            return list(counts)
-        shape = self.chunk_shape if isinstance(self.chunk_shape, np.ndarray) else self.chunk_shape.cpu().numpy()
-        return np.bincount(shape, minlength=4)[:4].tolist()
 
     def to(self, device) -> AlmRows:
         """The same rows as torch tensors on `device` (log-probs stay float64)."""

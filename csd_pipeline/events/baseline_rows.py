@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.events.batch import SHAPE_1_1, chunk_shape
+from csd_pipeline.events.batch import SHAPE_1_1, ChunkShapeCounts, chunk_shape
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks, teacher_positions
 
 BASELINE_LOSSES = ("uld", "gold", "strict")
@@ -77,7 +77,7 @@ def shared_vocabulary(context) -> SharedVocabulary:
 
 
 @dataclass
-class BaselineRows:
+class BaselineRows(ChunkShapeCounts):
     """Per accepted chunk of a row or batch, what the baseline losses read (numpy; torch after `.to`).
 
     final_pos: int64 [C]; chunk_shape: int64 [C] (0 = 1:1, 1 = 1:N, 2 = M:1, 3 = M:N);
@@ -102,18 +102,6 @@ class BaselineRows:
     unshared_logp: Any
     shared: SharedVocabulary
     stats: dict = field(default_factory=dict)
-
-    @property
-    def num_chunks(self) -> int:
-        return int(self.chunk_shape.shape[0])
-
-    def shape_counts(self) -> list[int]:
-        """Chunks per shape [1:1, 1:N, M:1, M:N]."""
-        counts = self.stats.get("shape_counts")
-        if counts is not None:
-            return list(counts)
-        shape = self.chunk_shape if isinstance(self.chunk_shape, np.ndarray) else self.chunk_shape.cpu().numpy()
-        return np.bincount(shape, minlength=4)[:4].tolist()
 
     def to(self, device) -> BaselineRows:
         """The same rows as torch tensors on `device` (log-probs stay float64)."""

@@ -47,6 +47,25 @@ _INDEX_FIELDS = ("chain_pos", "chain_tok", "chain_chunk", "final_pos", "final_to
 _POSITION_FIELDS = ("chain_pos", "final_pos", "chunk_student_start")
 
 
+class ChunkShapeCounts:
+    """`num_chunks` and `shape_counts()` of a batch of rows with a `chunk_shape` column and `stats` (the baseline
+    and ALM rows share them)."""
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunk_shape.shape[0])
+
+    def shape_counts(self) -> list[int]:
+        """Chunks per shape [1:1, 1:N, M:1, M:N]."""
+        import numpy as np
+
+        counts = self.stats.get("shape_counts")
+        if counts is not None:
+            return list(counts)
+        shape = self.chunk_shape if isinstance(self.chunk_shape, np.ndarray) else self.chunk_shape.cpu().numpy()
+        return np.bincount(shape, minlength=4)[:4].tolist()
+
+
 @dataclass
 class BatchEvents:
     """Flat events of one row or one batch, for one teacher (numpy on CPU, torch after `.to`).
