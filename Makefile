@@ -53,7 +53,8 @@ help:
 # The set-up is locked (requirements.lock: every package but torch, pinned with its hashes; its header says for
 # which Python and platform): torch first from TORCH (pip: its config and a GPU user's index), then uv from the
 # lock, then the rest of the lock with uv (--require-hashes, --no-deps; 3.5 s against pip's 99 s for the same
-# step, warm caches), then the project itself without dependencies, and `pip check` that they fit together.
+# step, warm caches; --compile-bytecode as pip does by default, else every process of the first test run or demo
+# compiles the packages it imports), then the project itself without dependencies, and `pip check` that they fit.
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
@@ -61,7 +62,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(VENV)/bin/pip install -q $(TORCH)
 	awk '/^[A-Za-z0-9]/ {keep = $$0 ~ /^uv==/} keep' $(LOCK) > $(VENV)/uv-lock.txt
 	$(VENV)/bin/pip install -q --require-hashes --no-deps -r $(VENV)/uv-lock.txt
-	$(VENV)/bin/uv pip install -q --python $(PY) --require-hashes --no-deps -r $(LOCK)
+	$(VENV)/bin/uv pip install -q --python $(PY) --require-hashes --no-deps --compile-bytecode -r $(LOCK)
 	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .
 	$(VENV)/bin/pip check || { echo "the lock does not fit this torch: use TORCH=\"torch==2.13.0 ...\" or run make lock"; exit 1; }
 	touch $(STAMP)
