@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.events.batch import ChunkShapeCounts, chunk_shape
+from csd_pipeline.events.batch import ChunkShapeCounts, chunk_shape, stack_chunk_rows
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks, teacher_positions
 
 WHITESPACE_FIRST_BYTES = (0x20, 0x09, 0x0A)  # tokenkit's space_mask_mode "space+tab+newline" (+ "special")
@@ -167,17 +167,7 @@ def build_alm_rows(aligned_row, teacher_index: int, teacher, context, *, debias:
 
 def collate_alm_rows(rows: list[AlmRows], row_offsets) -> AlmRows:
     """Concatenate row `AlmRows` into one batch; row i's positions are shifted by row_offsets[i]."""
-    offsets = [int(o) for o in row_offsets]
-    if len(offsets) != len(rows) or not rows:
-        raise CsdError(f"collate_alm_rows got {len(rows)} rows and {len(offsets)} row offsets; give one per row.")
-    n_chunks, chain_chunk, stats = 0, [], {}
-    for r in rows:
-        chain_chunk.append(r.chain_chunk + n_chunks)
-        n_chunks += r.num_chunks
-        for key, value in r.stats.items():
-            if isinstance(value, int | float):
-                stats[key] = stats.get(key, 0) + value
-    stats["rows"] = len(rows)
+    offsets, chain_chunk, stats = stack_chunk_rows(rows, row_offsets, "collate_alm_rows")
     cat = np.concatenate
     return AlmRows(
         chunk_shape=cat([r.chunk_shape for r in rows]),

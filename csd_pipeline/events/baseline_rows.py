@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.events.batch import SHAPE_1_1, ChunkShapeCounts, chunk_shape
+from csd_pipeline.events.batch import SHAPE_1_1, ChunkShapeCounts, chunk_shape, stack_chunk_rows
 from csd_pipeline.events.row_events import ACCEPTED, read_aligned_chunks, teacher_positions
 
 BASELINE_LOSSES = ("uld", "gold", "strict")
@@ -241,17 +241,7 @@ def _finish(out: dict, shared: SharedVocabulary, stats: dict) -> BaselineRows:
 
 def collate_baseline_rows(rows: list[BaselineRows], row_offsets) -> BaselineRows:
     """Concatenate row `BaselineRows` into one batch; row i's positions are shifted by row_offsets[i]."""
-    offsets = [int(o) for o in row_offsets]
-    if len(offsets) != len(rows) or not rows:
-        raise CsdError(f"collate_baseline_rows got {len(rows)} rows and {len(offsets)} row offsets; give one per row.")
-    n_chunks, chain_chunk, stats = 0, [], {}
-    for r in rows:
-        chain_chunk.append(r.chain_chunk + n_chunks)
-        n_chunks += r.num_chunks
-        for key, value in r.stats.items():
-            if isinstance(value, int | float):
-                stats[key] = stats.get(key, 0) + value
-    stats["rows"] = len(rows)
+    offsets, chain_chunk, stats = stack_chunk_rows(rows, row_offsets, "collate_baseline_rows")
     cat = np.concatenate
     padded = {}
     for key, fill in _PADDED.items():

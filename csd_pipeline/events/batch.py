@@ -48,8 +48,8 @@ _POSITION_FIELDS = ("chain_pos", "final_pos", "chunk_student_start")
 
 
 class ChunkShapeCounts:
-    """`num_chunks` and `shape_counts()` of a batch of rows with a `chunk_shape` column and `stats` (the baseline
-    and ALM rows share them)."""
+    """`num_chunks` and `shape_counts()` (accepted KD chunks per shape, on the CPU) of a batch with a `chunk_shape`
+    column and `stats`: the CSD events, the baseline rows and the ALM rows share them."""
 
     @property
     def num_chunks(self) -> int:
@@ -67,7 +67,7 @@ class ChunkShapeCounts:
 
 
 @dataclass
-class BatchEvents:
+class BatchEvents(ChunkShapeCounts):
     """Flat events of one row or one batch, for one teacher (numpy on CPU, torch after `.to`).
 
     chain_pos/chain_tok/chain_chunk: int64 [Gc] student chain gathers and their chunk.
@@ -95,24 +95,8 @@ class BatchEvents:
     stats: dict = field(default_factory=dict)
 
     @property
-    def num_chunks(self) -> int:
-        return int(self.chunk_shape.shape[0])
-
-    @property
     def num_events(self) -> int:
         return int(self.event_chunk.shape[0])
-
-    def shape_counts(self) -> list[int]:
-        """Accepted KD chunks per shape [1:1, 1:N, M:1, M:N] (computed on the CPU when possible)."""
-        import numpy as np
-
-        counts = self.stats.get("shape_counts")
-        if counts is not None:
-            return list(counts)
-        shape = self.chunk_shape
-        if not isinstance(shape, np.ndarray):
-            shape = shape.cpu().numpy()
-        return np.bincount(shape, minlength=4)[:4].tolist()
 
     def to(self, device, float_dtype=None) -> BatchEvents:
         """The same events as torch tensors on `device` (teacher log q in float_dtype, default float64)."""
@@ -198,3 +182,20 @@ def ce_targets(student_ids_rows, loss_mask_rows, row_offsets) -> tuple[np.ndarra
     if not positions:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     return np.concatenate(positions), np.concatenate(tokens)
+
+
+def stack_chunk_rows(rows: list, row_offsets, what: str) -> tuple[list[int], list, dict]:
+    """What collating per-row chunk rows (baseline, ALM) shares: the row offsets (one per row, checked), each row's
+    `chain_chunk` shifted past the chunks before it, and the numeric stats summed (with `rows`)."""
+    offsets = [int(o) for o in row_offsets]
+    if len(offsets) != len(rows) or not rows:
+        raise CsdError(f"{what} got {len(rows)} rows and {len(offsets)} row offsets; give one per row.")
+    n_chunks, chain_chunk, stats = 0, [], {}
+    for r in rows:
+        chain_chunk.append(r.chain_chunk + n_chunks)
+        n_chunks += r.num_chunks
+        for key, value in r.stats.items():
+            if isinstance(value, int | float):
+                stats[key] = stats.get(key, 0) + value
+    stats["rows"] = len(rows)
+    return offsets, chain_chunk, stats
