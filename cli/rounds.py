@@ -29,6 +29,7 @@ from csd_pipeline.runtime.options import config_option, values_for
 @config_option(RoundsConfig, "max_student_tokens")
 @config_option(RoundsConfig, "top_k", "--top-k")
 @config_option(RoundsConfig, "divergence")
+@config_option(RoundsConfig, "ce")
 @config_option(RoundsConfig, "train_args", "--train-arg")
 @config_option(RoundsConfig, "device")
 @click.option("--quiet", is_flag=True, help="Print nothing but errors (csd-train still prints its own).")

@@ -1,7 +1,8 @@
 """On-policy rounds vs off-policy training on reference continuations, at equal steps.
 
-    python -m bench.experiments.onpolicy [--out out/bench-onpolicy] [--base STUDENT] [--base-steps 480]
-                                   [--rounds 2] [--steps 100] [--prompts 64] [--max-new-tokens 48]
+    python -m bench.experiments.onpolicy [--setting demo|multilingual] [--out DIR] [--base STUDENT]
+                                   [--base-steps 480] [--rounds 2] [--steps 100] [--prompts 500]
+                                   [--max-new-tokens 48] [--divergence kl|reverse_kl] [--on-policy-ce]
                                    [--seeds 0,1,2] [--results bench-results/onpolicy.json]
     python -m bench.experiments.onpolicy --table docs/results/onpolicy-multilingual.json
 
@@ -13,7 +14,9 @@ held-out documents. Arms, both from the base, both `--rounds x --steps` csd-trai
 - off-policy: one aligned set of {prompt, completion = the reference continuation, cut to rounds x the
   mean length of round 1's on-policy completions (about the teacher tokens of all rounds)}, trained for
   rounds x steps steps;
-- on-policy: `csd-pipeline rounds` (the student's own samples, fresh each round).
+- on-policy: `csd-pipeline rounds` (the student's own samples, fresh each round), trained as GKD trains on them:
+  the divergence alone, no CE (`--on-policy-ce`: CE + KD with the off-policy arm's recipe, as before 2026-12-04).
+  GKD's comparison needs both directions: run once with `--divergence kl` and once with `reverse_kl`.
 
 Reported per arm (and the base) on held-out prompts, samples at temperature 1: the teacher's bits per
 byte of the student's completions (teacher forward on prompt + completion, completion tokens only),
@@ -219,7 +222,8 @@ def run_seed(out: Path, base: Path, train_prompts: list[Path], args, seed: int) 
             prompts=[str(p) for p in train_prompts], output=str(folder / "on-policy"), rounds=args.rounds,
             steps=args.steps, prompt_field=setting.prompt_field, prompt_chars=setting.prompt_chars,
             max_new_tokens=args.max_new_tokens, seed=seed, max_student_tokens=WINDOW, divergence=args.divergence,
-            train_args=[" ".join([*TRAIN_ARGS_ROUNDS, *setting.recipe])], device="cpu"))
+            ce=args.on_policy_ce, train_args=[" ".join([*TRAIN_ARGS_ROUNDS, *setting.round_recipe(args.on_policy_ce)])],
+            device="cpu"))
     for r in range(1, args.rounds + 1):
         TIMER.train_run(folder / "on-policy" / f"round-{r}" / "train", "on_policy")
     on_tokens = sum(_teacher_tokens(folder / "on-policy" / f"round-{r}" / "aligned") for r in range(1, args.rounds + 1))
@@ -333,11 +337,11 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-FULL = {"base_steps": 480, "rounds": 2, "steps": 100, "prompts": 64, "heldout_prompts": 16, "max_new_tokens": 48}
+FULL = {"base_steps": 480, "rounds": 2, "steps": 100, "prompts": 500, "heldout_prompts": 16, "max_new_tokens": 48}
 
 
 def estimate(timer: Timer, settings: dict) -> dict:
-    """Minutes of `--base-steps 480 --rounds 2 --steps 100 --prompts 64` with 1 and 3 seeds, scaled from this
+    """Minutes of `--base-steps 480 --rounds 2 --steps 100 --prompts 500` with 1 and 3 seeds, scaled from this
     run's phases: csd-train from its measured seconds per step plus its measured start-up per run; the
     generate/align/teacher-logits work of a round and the evaluation at their measured time per call
     (`low`: loading dominates at small sizes) or linear in prompts x --max-new-tokens (`high`). The
@@ -380,7 +384,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--base-steps", type=int, default=480)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=100, help="csd-train steps per round (off-policy: rounds x steps)")
-    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=None, help="training prompts per round (default: 500 "
+                        "multilingual, 64 demo, whose corpus has 78 documents)")
+    parser.add_argument("--on-policy-ce", action="store_true", help="the rounds train with CE + KD (the off-policy "
+                        "arm's recipe) instead of KD alone (GKD's way, the default)")
     parser.add_argument("--heldout-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--divergence", default="kl", choices=("kl", "reverse_kl", "jsd"),
@@ -399,6 +406,11 @@ def main(argv: list[str]) -> int:
         parser.error(f"--seeds: {args.seeds!r} is not a comma-separated list of integers, e.g. --seeds 0,1,2")
     started = time.perf_counter()
     multilingual = args.setting == "multilingual"
+    args.prompts = args.prompts or (500 if multilingual else 64)
+    documents = len((ROOT / "demo/corpus/devil-train.jsonl").read_text(encoding="utf-8").splitlines())
+    if not multilingual and args.prompts > documents:
+        parser.error(f"--prompts {args.prompts}: the demo setting has {documents} training documents, one prompt "
+                     "each; pass at most that, or --setting multilingual")
     out = Path(args.out or ("out/bench-onpolicy-multilingual" if multilingual else "out/bench-onpolicy")).resolve()
     if multilingual:
         base = Path(args.base) if args.base else multilingual_base(out)

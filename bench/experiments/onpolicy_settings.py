@@ -9,10 +9,11 @@ train with, the base student the arms start from, and how held-out bits per byte
 - `multilingual`: teacher Gemma 3 270M; the base is bench/experiments/pretrained.py's CSD student (SmolLM2-135M-Instruct
   trained in the `repeated` regime with `csd kl b1 t1.5 fixed0.5`, seed 0), and both arms train with that recipe
   (learning rate 5e-5, 5 warm-up steps, T 1.5, fixed KD weight 0.5) but with the run's `--divergence`.
-  Prompts: the start of a document, cut to about 64 SmolLM2 tokens (PROMPT_CHARS: 160 characters at the last
+  Prompts: a place in a document, cut to about 64 SmolLM2 tokens (PROMPT_CHARS: 160 characters at the last
   whitespace in German, French, Spanish; 55 characters in Japanese and Chinese, which SmolLM2 spells with about
   1.2 tokens per character), one file per language. Training prompts come from the non-English training
-  documents (the first `--prompts / 5` of each language); held-out prompts from the held-out documents, two per
+  documents (`--prompts / 5` of each language: every document cut at evenly spaced word starts, as many per
+  document as that needs, e.g. 2 for 500 prompts); held-out prompts from the held-out documents, two per
   document (its start, and the start of its second half). Held-out bits per byte per language (five languages
   and English, on bench/experiments/pretrained.py's aligned held-out folders); `heldout_bits_per_byte` is the non-English mean.
 """
@@ -32,8 +33,9 @@ PROMPT_CHARS = {"de": 160, "fr": 160, "es": 160, "ja": 55, "zh-cn": 55}
 CJK = {"ja", "zh-cn"}
 REFERENCE_CHARS = 1200  # the reference continuation kept for off-policy training (cut further there)
 BASE_ARM, BASE_REGIME, BASE_SEED = "csd kl b1 t1.5 fixed0.5", "repeated", 0
+KD_WEIGHTING = ("--kd-scale", "fixed", "--kd-weight", "0.5")  # with CE; rounds without --ce train KD alone
 PRETRAINED_RECIPE = ("--lr", "5e-5", "--warmup-steps", "5", "--beta", "1", "--teacher-temperature", "1.5",
-                     "--kd-scale", "fixed", "--kd-weight", "0.5")
+                     *KD_WEIGHTING)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,13 @@ class Setting:
     prompt_field: str  # of the prompt files
     prompt_chars: int  # generate --prompt-chars (0: the prompt files hold whole prompts)
     recipe: tuple = ()  # csd-train flags of both arms beyond the shared ones
+
+    def round_recipe(self, ce: bool) -> tuple:
+        """The recipe of the on-policy rounds: without CE (GKD's way) its KD weighting goes (the rounds fix it)."""
+        if ce or KD_WEIGHTING[0] not in self.recipe:
+            return self.recipe
+        at = self.recipe.index(KD_WEIGHTING[0])
+        return self.recipe[:at] + self.recipe[at + len(KD_WEIGHTING):]
 
 
 DEMO = Setting("demo", "smollm2-135m-instruct", "smollm2", "text", DEMO_PROMPT_CHARS)
@@ -81,9 +90,32 @@ def _entries(text: str, lang: str, starts: list[int]) -> list[dict]:
     return entries
 
 
+def _word_start(text: str, at: int, lang: str) -> int:
+    """The first character of a word at or after `at` (in Japanese and Chinese: the first after any punctuation
+    and whitespace there)."""
+    if at == 0:
+        return at
+    if lang in CJK:
+        return next((i for i in range(at, len(text)) if text[i].isalnum()), at)
+    return next((i + 1 for i in range(at - 1, len(text) - 1) if text[i] in " \n" and text[i + 1] not in " \n"), at)
+
+
+def train_entries(documents: list[str], lang: str, count: int) -> list[dict]:
+    """`count` training prompts of one language: each document cut at `ceil(count / documents)` evenly spaced word
+    starts (its start first), taken document by document until there are `count` (fewer only when the documents
+    are too short)."""
+    per_document = -(-count // len(documents))
+    entries = []
+    for text in documents:
+        starts = sorted({_word_start(text, len(text) * k // per_document, lang) for k in range(per_document)})
+        entries += _entries(text, lang, starts)
+    return entries[:count]
+
+
 def multilingual_prompts(out: Path, split: str, count: int) -> list[Path]:
-    """One prompts file per non-English language (records {"prompt", "reference"}): `split` "train", the first
-    count / 5 documents of each language; "heldout", two per held-out document (count is ignored)."""
+    """One prompts file per non-English language (records {"prompt", "reference"}): `split` "train", count / 5
+    prompts of each language from its training documents (`train_entries`); "heldout", two per held-out document
+    (count is ignored)."""
     from bench.experiments.pretrained import LANGUAGES
 
     files = []
@@ -92,8 +124,7 @@ def multilingual_prompts(out: Path, split: str, count: int) -> list[Path]:
                      (MULTILINGUAL / f"{split}-{lang}.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
         entries = []
         if split == "train":
-            for text in documents[:max(1, count // len(LANGUAGES))]:
-                entries += _entries(text, lang, [0])
+            entries = train_entries(documents, lang, max(1, count // len(LANGUAGES)))
         else:
             for text in documents:
                 half = len(text) // 2

@@ -120,14 +120,33 @@ def reference_scores(regime: str, dirs: dict, previous: dict) -> dict:
     return {"teacher": per_language(dirs, TEACHER, "teacher0"), "before": per_language(dirs, STUDENT, "student")}
 
 
+def _non_english(record: dict) -> float:
+    return _mean(record["bits_per_byte"][lang] for lang in LANGUAGES)
+
+
+def paired_vs_ce(results: list[dict], regime: str, arm: str) -> str:
+    """The arm's non-English mean minus CE's, paired by seed: the mean over the seeds both ran, in percent of CE's
+    mean over those seeds, +- half the min-max spread of the paired differences ("" with fewer than two)."""
+    ce = {r["seed"]: _non_english(r) for r in results if r["regime"] == regime and r["arm"] == "ce"}
+    runs = {r["seed"]: _non_english(r) for r in results if r["regime"] == regime and r["arm"] == arm}
+    seeds = sorted(set(ce) & set(runs))
+    if len(seeds) < 2:
+        return ""
+    diffs = [100 * (runs[s] - ce[s]) / _mean(ce[s] for s in seeds) for s in seeds]
+    return f"{_mean(diffs):+6.2f}% +- {(max(diffs) - min(diffs)) / 2:.2f} ({len(seeds)})"
+
+
 def regime_table(results: list[dict], scores: dict, regime: str) -> str:
-    """Per arm of `regime`: mean bits per byte per language over seeds, the non-English mean, vs CE."""
+    """Per arm of `regime`: mean bits per byte per language over seeds, the non-English mean, vs CE (of the means,
+    and paired by seed where both ran two or more seeds)."""
     rows = {"teacher": [scores.get("teacher", {})], "before": [scores.get("before", {})]}
     for r in results:
         if r["regime"] == regime:
             rows.setdefault(r["arm"], []).append(r["bits_per_byte"])
-    lines = [f"{regime}: held-out bits per byte (mean over seeds; spread = half of max - min of the non-English mean)",
-             f"{'arm':<22} {'seeds':>5} " + " ".join(f"{lang:>7}" for lang in HELDOUT) + "  non-en   spread   vs CE"]
+    lines = [f"{regime}: held-out bits per byte (mean over seeds; spread = half of max - min of the non-English mean;"
+             " paired = per seed vs CE, mean +- half its spread (seeds))",
+             f"{'arm':<26} {'seeds':>5} " + " ".join(f"{lang:>7}" for lang in HELDOUT)
+             + "  non-en   spread   vs CE   paired"]
     ce = None
     for arm, runs in rows.items():
         if not runs[0]:
@@ -138,8 +157,9 @@ def regime_table(results: list[dict], scores: dict, regime: str) -> str:
         ce = non_en if arm == "ce" else ce
         vs = f"{100 * (non_en / ce - 1):+6.2f}%" if ce and arm not in ("ce", "teacher", "before") else ""
         spread = (max(per_run) - min(per_run)) / 2
-        lines.append(f"{arm:<22} {len(runs):>5} " + " ".join(f"{means[lang]:7.4f}" for lang in HELDOUT)
-                     + f"  {non_en:.4f}  {spread:.4f}  {vs}")
+        paired = paired_vs_ce(results, regime, arm) if arm not in ("ce", "teacher", "before") else ""
+        lines.append((f"{arm:<26} {len(runs):>5} " + " ".join(f"{means[lang]:7.4f}" for lang in HELDOUT)
+                      + f"  {non_en:.4f}  {spread:.4f}  {vs:>7}  {paired}").rstrip())
     return "\n".join(lines)
 
 

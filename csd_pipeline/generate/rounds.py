@@ -3,7 +3,9 @@
 Round r (1-based) writes `DIR/round-r/`: `generated/` (`csd-pipeline generate`), `aligned/`
 (`csd-pipeline align` of the samples as prompt/completion records: loss on the completions only),
 `teacher/` (`csd-pipeline teacher-logits`) and `train/` (`csd-train --student <previous export>`, whose
-`train/export/` is the next round's student). Every step resumes from what is on disk (the stages
+`train/export/` is the next round's student). As in GKD (Agarwal et al., "On-Policy Distillation of Language
+Models: Learning from Self-Generated Mistakes", ICLR 2024), the student trains on its own samples with the
+divergence alone: cross-entropy on them would only reinforce what it already wrote (`--ce` adds it back). Every step resumes from what is on disk (the stages
 from their markers, the trainer from its checkpoints) and a finished step is skipped, so re-running
 the same command continues an interrupted run. Round r samples with seed `seed + r - 1`.
 
@@ -44,12 +46,19 @@ class RoundsConfig:
     max_student_tokens: int = option(256, "Window of the aligned rows and csd-train --seq-len.")
     top_k: int = option(32, "Teacher top-k stored per position.")
     divergence: str = option("reverse_kl", "CSD divergence (reverse KL is the usual on-policy choice).")
+    ce: bool = option(False, "Also train on the samples with cross-entropy (off: L = KD alone, as GKD; csd-train "
+                             "--kd-scale ratio --kd-weight 1).")
     train_args: list[str] = option([], "More csd-train flags, as one string each (e.g. '--lr 1e-4'); repeatable.")
     device: str = option("auto", "Device of generate and teacher-logits (csd-train picks its own).")
 
     def validate(self) -> None:
         if self.rounds < 1 or self.steps < 1:
             raise CsdError("--rounds and --steps must be at least 1.")
+        fixed = [flag for flag in ("--kd-scale", "--kd-weight") for arg in self.train_args for part in arg.split()
+                 if part == flag or part.startswith(flag + "=")]
+        if fixed and not self.ce:
+            raise CsdError(f"--train-arg sets {fixed[0]}, but without --ce the rounds train on KD alone (--kd-scale "
+                           "ratio --kd-weight 1): drop it from --train-arg, or pass --ce to train with CE + KD.")
 
 
 def run_rounds(config: RoundsConfig, log=print):
@@ -96,10 +105,11 @@ def run_rounds(config: RoundsConfig, log=print):
 def train_command(config: RoundsConfig, student: str, folder: Path, seed: int) -> list[str]:
     """The csd-train command of one round."""
     extra = [part for arg in config.train_args for part in arg.split()]
+    kd_alone = [] if config.ce else ["--kd-scale", "ratio", "--kd-weight", "1"]
     return [sys.executable, "-m", "trainer.main", "--aligned", str(folder / "aligned"),
             "--teacher-logits", str(folder / "teacher"), "--student", student, "--output", str(folder / "train"),
             "--steps", str(config.steps), "--loss", "csd", "--divergence", config.divergence,
-            "--seq-len", str(config.max_student_tokens), "--seed", str(seed), "--save-every", "0", *extra]
+            "--seq-len", str(config.max_student_tokens), "--seed", str(seed), "--save-every", "0", *kd_alone, *extra]
 
 
 def train(config: RoundsConfig, student: str, folder: Path, seed: int, log) -> None:

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from csd_pipeline.errors import CsdError
 from csd_pipeline.generate.rounds import RoundsConfig, run_rounds, train_command
 from csd_pipeline.runtime.manifest import read_manifest
 from tests.onpolicy_cases import REPO, prompt_corpus
@@ -45,6 +46,8 @@ def test_two_rounds_keep_their_outputs_chain_the_students_and_resume(tmp_path, t
         metrics = [json.loads(x) for x in (folder / "train" / "metrics.jsonl").read_text().splitlines()]
         steps = [m for m in metrics if "step" in m]
         assert [m["step"] for m in steps] == [1, 2] and not any(m["skipped"] for m in steps)  # trained, not skipped
+        for m in steps:  # GKD: the samples train the divergence alone (CE measured, weighted 0)
+            assert m["loss"] == pytest.approx(m["kd"], rel=1e-6) and m["ce"] > 0 and m["kd_scale"] == 1
     assert sum(line.startswith("$ csd-train") for line in lines) == 2
     round2_train = [x for x in lines if x.startswith("$ csd-train") and "round-2" in x][0]
     assert "--student " + str(out / "round-1" / "train" / "export") in round2_train
@@ -62,7 +65,13 @@ def test_the_round_command_line(tmp_path):
     assert command[:3] == [sys.executable, "-m", "trainer.main"]
     joined = " ".join(command)
     assert "--student PREV" in joined and "--divergence reverse_kl" in joined and "--seed 1" in joined
-    assert joined.endswith("--lr 1e-4 --batch-size 2")
+    assert joined.endswith("--kd-scale ratio --kd-weight 1 --lr 1e-4 --batch-size 2")  # KD alone, as GKD
+    with_ce = train_command(_config(tmp_path, tmp_path / "s", tmp_path / "p.jsonl", ce=True,
+                                    train_args=["--kd-scale fixed --kd-weight 0.5"]), "PREV", tmp_path / "r", seed=0)
+    assert "ratio" not in with_ce and " ".join(with_ce).endswith("--kd-scale fixed --kd-weight 0.5")
+    for clash in ("--kd-weight 0.5", "--lr 1e-4 --kd-scale=fixed"):
+        with pytest.raises(CsdError, match=r"^--train-arg sets --kd-.*pass --ce"):
+            _config(tmp_path, tmp_path / "s", tmp_path / "p.jsonl", train_args=[clash]).validate()
     help_text = subprocess.run([sys.executable, "-m", "cli.main", "rounds", "--help"], cwd=REPO, capture_output=True,
                                text=True, check=True).stdout
-    assert "--train-arg" in help_text and "--prompt-chars" in help_text
+    assert "--train-arg" in help_text and "--prompt-chars" in help_text and "--ce " in help_text
