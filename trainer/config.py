@@ -126,8 +126,8 @@ class LossConfig:
     """CE alone or CE + CSD: the divergence, the chunk weights, the KD scale and the teachers' weights."""
 
     loss: str = option("csd", "csd (default), ce (no KD), csd_1to1 (only 1:1 chunks), a baseline: uld, gold, strict, "
-                            "alm (tokenkit's Approximate Likelihood Matching), or kd (same-tokenizer KD; "
-                            "docs/LOSSES.md)", trajectory=True, choices=tuple(LOSSES))
+                            "alm (tokenkit's Approximate Likelihood Matching), csd_alm (CSD + --alm-weight x ALM), or kd "
+                            "(same-tokenizer KD; docs/LOSSES.md)", trajectory=True, choices=tuple(LOSSES))
     divergence: str = option(DEFAULT_DIVERGENCE, "jsd, kl or reverse_kl", trajectory=True, choices=DIVERGENCES)
     beta: float = option(DEFAULT_BETA, "weight of the non-1:1 chunks in the KD term", trajectory=True)
     kd_scale: str = option("dynamic", "dynamic: L = CE + w*sg(CE/KD)*KD (the paper's); fixed: L = CE + w*KD; "
@@ -161,6 +161,7 @@ class LossConfig:
                                     "that the next token starts with whitespace (tokenkit's append_space; needs a store "
                                     "of exact top-k entries); --no-alm-debias: the chunks' own tokens only",
                               trajectory=True)
+    alm_weight: float = option(1.0, "--loss csd_alm: lambda, KD = KD_csd + lambda x KD_alm", trajectory=True)
     kd_chunk_weight: str = option("none", "weigh each chunk's KD term by the teacher's advantage on its text: advantage "
                                           "(w = clamp((log p_T - log p_S) / scale, 0, max), the student side detached; "
                                           "--loss csd, csd_1to1, alm) or none", trajectory=True,

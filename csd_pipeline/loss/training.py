@@ -26,6 +26,7 @@ LOSSES = {
     "strict": "csd_pipeline.loss.training:BaselineLoss",
     "kd": "csd_pipeline.loss.kd:KdLoss",
     "alm": "csd_pipeline.loss.alm:AlmLoss",
+    "csd_alm": "csd_pipeline.loss.csd_alm:CsdAlmLoss",
 }
 
 
