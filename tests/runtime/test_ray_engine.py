@@ -220,3 +220,41 @@ def test_engine_options_are_refused_in_one_line(tmp_path, run_cli):
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
         assert fragment in lines[0], lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_served_teacher_on_ray_writes_the_local_bytes_to_disk_and_s3(ray_cluster, one_thread, tiny_teacher, tmp_path,
+                                                                       tmp_path_factory, tokenizer_path, tables_for,
+                                                                       s3_server, bucket, monkeypatch):
+    """teacher-logits --teacher-server with 2 Ray actors that hold no model, only an HTTP client: into a folder and
+    into S3 it writes the bytes of the local engine against the same server, and every row is asked of the server
+    once per run (an HTTP stand-in answering from the tiny teacher: tests/teacher/served_http.py)."""
+    import json
+
+    from csd_pipeline.runtime import storage
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
+    from tests.s3_cases import SECRET
+    from tests.teacher.served_http import serving
+
+    monkeypatch.setenv(storage.OPTIONS_ENV, json.dumps({"endpoint_url": s3_server.endpoint, "key": "testing",
+                                                        "secret": SECRET}))
+    aligned = _aligned_for_teacher(tmp_path_factory, tokenizer_path, tables_for)
+    rows = json.loads((aligned / "manifest.json").read_text())["totals"]["rows"]
+    with serving(tiny_teacher) as (url, counter):
+        def run(output, **engine):
+            config = TeacherLogitsConfig(aligned=str(aligned), output=str(output), teacher_server=url,
+                                         teacher_model="tiny", top_k=8, server_concurrency=2)
+            before = counter["completions"]
+            report = run_teacher_logits(config, **engine)
+            assert report.complete and counter["completions"] - before == rows
+            return report
+
+        run(tmp_path / "local")
+        run(tmp_path / "ray", workers=2, engine=RAY)
+        report = run(f"{bucket}/served", workers=2, engine=RAY)
+    local = output_files(tmp_path / "local")
+    assert output_files(tmp_path / "ray") == local
+    written = s3_server.objects(f"{bucket}/served")
+    committed = {name: data for name, data in written.items() if name.endswith(".parquet") or name.startswith("done/")}
+    assert committed == {name: data for name, data in local.items() if name in committed}
+    assert len(committed) == 2 * len(report.processed) >= 6 and "manifest.json" in written
