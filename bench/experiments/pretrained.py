@@ -6,8 +6,8 @@ in German, French, Spanish, Japanese and Chinese (`bench/corpus/multilingual/`, 
 training, every tenth document held out, the same split for every arm), aligned as one corpus; Gemma 3's
 top-128 stored once. Held out: each of the five languages and English (forgetting), each its own aligned
 folder, scored on every run's exported model by `csd-pipeline bits-per-byte` (the command a user runs).
-Regimes (REGIMES): `one-pass`, every training document (about 72 KB per language), 80 steps, about a quarter
-of an epoch; `repeated`, every tenth training document of each language (about 7 KB each), 120 steps, about
+Regimes (REGIMES): `one-pass`, every training document (about 72 KB per language) once: as many steps as the
+aligned windows fill batches of the recipe's 2 (`steps: epoch`); `repeated`, every tenth training document of each language (about 7 KB each), 120 steps, about
 3.5 epochs. Recipe: 2 windows of 256 tokens per step, learning rate 5e-5, 5 warm-up steps (a fine-tuning
 rate), the trainer's held-out curve on the five languages together every steps/4 steps.
 
@@ -36,10 +36,29 @@ HELDOUT = (*LANGUAGES, "en")
 STUDENT, STUDENT_TOKENIZER = "smollm2-135m-instruct", "smollm2"
 TEACHER, TEACHER_TOKENIZER = "gemma3-270m", "gemma3"
 WARMUP = 5
-# one-pass: every training document (about a quarter of an epoch): a domain learned in one pass.
+# one-pass: every training document once: a domain learned in one pass.
 # repeated: every tenth training document of each language (about 3.5 epochs): limited data seen again.
 REGIMES = {name: {"train": slice(0, None, spec["every"]) if spec.get("every") else None, "steps": spec["steps"]}
            for name, spec in experiment("pretrained").regimes.items()}
+_EPOCH_STEPS: dict[str, int] = {}  # regime -> steps of one pass over its aligned windows (set by `prepare`)
+
+
+def epoch_steps(aligned: Path) -> int:
+    """Steps that show every window of an aligned folder once, at the training recipe's windows a step."""
+    import json
+
+    from csd_pipeline.recipes import load_recipe
+
+    rows = json.loads((aligned / "manifest.json").read_text(encoding="utf-8"))["totals"]["rows"]
+    return max(1, -(-int(rows) // int(load_recipe(experiment("pretrained").train)["batch_size"])))
+
+
+def regime_steps(regime: str, quick: bool) -> int:
+    """The steps of a regime: 4 for a smoke run, one pass over the aligned windows for `steps: epoch`."""
+    steps = REGIMES[regime]["steps"]
+    if quick:
+        return 4
+    return _EPOCH_STEPS[regime] if steps == "epoch" else int(steps)
 
 
 def _corpus(part: str, lang: str, take, folder: Path) -> str:
@@ -69,6 +88,7 @@ def prepare(regime: str, out: Path, log: Path, quick: bool) -> dict:
     dirs["aligned"] = out / f"aligned-{regime}"
     if not (dirs["aligned"] / "manifest.json").is_file():
         run([pipeline, "align", *corpus, "--output", dirs["aligned"], *align], log)
+    _EPOCH_STEPS[regime] = epoch_steps(dirs["aligned"])
     heldout = [arg for lang in LANGUAGES for arg in ("--corpus", _corpus("heldout", lang, quick, quick_dir))]
     dirs["heldout"] = out / "heldout"  # the five languages together: the trainer's curve
     if not (dirs["heldout"] / "manifest.json").is_file():
@@ -175,7 +195,7 @@ def _line(record: dict) -> str:
 
 
 BENCH = Bench(name="pretrained", doc=__doc__, prepare=prepare, scores=reference_scores, train=train_arm,
-              steps=lambda regime, quick: 4 if quick else REGIMES[regime]["steps"], table=table, line=_line,
+              steps=regime_steps, table=table, line=_line,
               head={"regime": "multilingual"}, dump={"indent": 1},
               default_arms=experiment("pretrained").extra["default_arms"])
 
