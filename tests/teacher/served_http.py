@@ -14,8 +14,8 @@ from pathlib import Path
 
 @contextmanager
 def serving(model_dir: Path):
-    """Yields the URL of a server that answers `GET /v1/models` and `POST /v1/completions` for `model_dir`; counts
-    the completions it answered in `server.completions`."""
+    """Yields (URL, counter) of a server that answers `GET /v1/models` and `POST /v1/completions` for `model_dir`;
+    `counter["completions"]` counts the completions it answered."""
     from tests.teacher.test_served import answer_from
 
     answer = answer_from(model_dir)
