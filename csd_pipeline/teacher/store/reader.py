@@ -196,7 +196,7 @@ class TeacherTopkOutput:
         def wrong(key: str) -> bool:
             value = config.get(key)
             if value is None:
-                return False
+                return key == "top_k"  # every store is a top-k first; the others may be absent
             if key in counts:
                 return type(value) is not int or value < 0
             if key in fractions:
