@@ -66,6 +66,7 @@ class TrainingData:
         from trainer.model import student_tokenizer_source
 
         aligned = AlignedOutput.open(config.data.aligned)
+        aligned.require_student("--aligned")
         aligned.verify()
         max_student = aligned.max_student_tokens
         if max_student is not None and max_student > config.data.seq_len:
