@@ -94,7 +94,8 @@ class AlignedOutput:
                     and (t.get("size") is None or 0 < t["size"] < 2**31) for t in teachers),
             "tables": isinstance(self.manifest.get("tables", []), list),
             "kind": self.manifest.get("kind", "aligned") in ("aligned", CAPTURE_KIND)
-            and isinstance(self.manifest.get("against_capture", {}), dict),
+            and isinstance(self.manifest.get("against_capture", {}), dict)
+            and type((self.manifest.get("against_capture") or {}).get("manifest_sha256")) in (str, type(None)),
         }
         for key, good in checks.items():
             if not good:
