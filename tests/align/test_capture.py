@@ -82,7 +82,7 @@ def check_against(capture_dir: Path, aligned_dir: Path, student_bundle, teacher_
     manifest = json.loads((aligned_dir / "manifest.json").read_text())
     assert [(s["name"], s["rows"]) for s in manifest["shards"]] == [(s["name"], s["rows"]) for s in cap_manifest["shards"]]
     assert [r["row_id"] for r in aligned] == [r["row_id"] for r in captured]
-    edges = 0
+    edges = outside = 0
     for cap, row in zip(captured, aligned):
         assert row["teacher0_ids"] == cap["teacher0_ids"] and row["text"] == cap["text"]
         m, n, status = (np.asarray(row[k]) for k in ("teacher0_chunk_student_len", "teacher0_chunk_teacher_len",
@@ -106,6 +106,7 @@ def check_against(capture_dir: Path, aligned_dir: Path, student_bundle, teacher_
                 offset = len(spelled(teacher_bundle.vocab, row["teacher0_ids"][head:t_at[c]]))
                 assert text[offset:offset + len(t_bytes)] == t_bytes
         edges += int((status == ChunkStatus.CAPTURE_EDGE).sum())
+        outside += len(text) - len(spelled(student_bundle.vocab, row["student_ids"][head:]))
         if documents is not None:
             key = (row["source"], row["record_index"])
             lo = row["byte_start"]
@@ -115,6 +116,8 @@ def check_against(capture_dir: Path, aligned_dir: Path, student_bundle, teacher_
     stats = manifest["totals"]["stats"]
     assert stats["teacher0"]["chunk_status"]["CAPTURE_EDGE"] == edges
     assert sum(stats["capture_edges"][k] for k in ("window_start", "window_end", "window_start_and_end")) == edges
+    if not student_bundle.vocab.dummy_prefix and student_bundle.vocab.family == "byte_level":  # tokens spell the text
+        assert stats["capture_edges"]["student_bytes_outside_rows"] == outside
     return edges
 
 
