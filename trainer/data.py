@@ -2,8 +2,8 @@
 
 `TrainingData.open(config)` opens the aligned output (`AlignedOutput`) and each teacher top-k
 output (`TeacherTopkOutput`), which read their manifests (never a glob), and checks them against
-each other (a teacher output records the sha256 of the aligned manifest it was computed from, and
-the shards are co-partitioned) and against the student tokenizer (fingerprint). Any mismatch
+each other (a teacher output records the sha256 of the aligned manifest it was computed from, or of
+the capture the aligned output was aligned against (docs/CAPTURE.md), and the shards are co-partitioned) and against the student tokenizer (fingerprint). Any mismatch
 raises `CsdError` naming the stage to re-run. `TrainingData.loader(rank, world, state)` is this
 rank's stream of micro-batches (`trainer/loader.py`).
 """
