@@ -270,3 +270,35 @@ def _devil_documents(capture_dir: Path) -> dict:
                 if document.text:
                     out[(document.source, document.record_index)] = document.text
     return out
+
+
+def test_killed_and_two_worker_runs_write_the_same_bytes(devil_capture, tokenizer_path, tables_for, tmp_path):
+    """`kill -9` mid-run (the CLI, a shard written but not recorded) resumes to the bytes of one uninterrupted
+    run, and so do two worker processes (each loads the tokenizers the stage recorded)."""
+    import os
+    import subprocess
+    import sys
+
+    from csd_pipeline.align.stage import AlignConfig, run_align
+
+    def written(folder: Path) -> dict:
+        names = [s["file"] for s in json.loads((folder / "manifest.json").read_text())["shards"]]
+        return {name: (folder / name).read_bytes() for name in [*names, "manifest.json"]}
+
+    reference = written(against(tokenizer_path, tables_for, devil_capture, "gpt-2", tmp_path / "one"))
+    out = tmp_path / "killed"
+    command = [sys.executable, "-m", "cli.main", "align", "--against-capture", str(devil_capture), "--student-tokenizer",
+               str(tokenizer_path("gpt-2")), "--max-student-tokens", "4096", "--tables", *tables_for("gpt-2", TEACHER),
+               "--output", str(out), "--quiet"]
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), CSD_TEST_CRASH="before_marker:2")
+    assert subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo).returncode == -9
+    assert not (out / "manifest.json").exists()
+    env.pop("CSD_TEST_CRASH")
+    second = subprocess.run(command, capture_output=True, text=True, env=env, cwd=repo)
+    assert second.returncode == 0, second.stderr
+    assert written(out) == reference
+    run_align(AlignConfig(against_capture=str(devil_capture), student_tokenizer=str(tokenizer_path("gpt-2")),
+                          output=str(tmp_path / "two"), max_student_tokens=4096, tables=[tables_for("gpt-2", TEACHER)]),
+              workers=2)
+    assert written(tmp_path / "two") == reference
