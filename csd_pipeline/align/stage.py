@@ -10,7 +10,9 @@ executor (`csd_pipeline.runtime.executor.run_stage`) needs:
 - prepare: each teacher's two sub-token tables, built or copied into `DIR/tables/teacher{i}/`;
 - shard writer: `AlignShardWriter` (`shard_writer.py`).
 
-`run_align(config)` runs it for this rank.
+`run_align(config)` runs it for this rank. With `--capture-only` the same stage writes a teacher capture
+(no student, no tables; `capture.py`); with `--against-capture` it runs `against_capture.AgainstCaptureStage`
+(docs/CAPTURE.md).
 """
 
 from __future__ import annotations
