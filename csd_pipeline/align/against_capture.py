@@ -73,6 +73,9 @@ class AgainstCaptureStage(AlignStage):
         manifest = self.capture.manifest
         recorded = manifest.get("config") or {}
         teacher_arg = config.teacher_tokenizers[0] if config.teacher_tokenizers else manifest.get("capture_teacher_tokenizer")
+        if not isinstance(teacher_arg, str):
+            raise CsdError(f"capture {self.capture.directory} does not record its teacher tokenizer; pass it with "
+                           "--teacher-tokenizer.")
         # The capture decides how documents are read and whether rows start with a context token.
         self.config = replace(config, teacher_tokenizers=[teacher_arg], text_field=recorded.get("text_field", "text"),
                               split_on_blank_lines=bool(recorded.get("split_on_blank_lines", False)),
@@ -92,8 +95,8 @@ class AgainstCaptureStage(AlignStage):
         text is compared with the capture's as it is aligned)."""
         sizes = {record.get("source"): record.get("size") for record in inputs}
         for file in self.files:
-            if file.format in ("hf", "dataset") or file.source not in sizes:
-                continue
+            if file.format in ("hf", "dataset") or file.source not in sizes or "://" in file.path:
+                continue  # a dataset or a remote file: its rows are checked as they are aligned
             size = os.path.getsize(file.path) if os.path.isfile(file.path) else None
             if size != sizes[file.source]:
                 found = "is missing" if size is None else f"has {size} bytes, not the {sizes[file.source]} recorded"
