@@ -233,6 +233,9 @@ def test_refusals_are_one_line(devil_capture, tokenizer_path, tables_for, tmp_pa
     student_out = against(tokenizer_path, tables_for, devil_capture, "gpt-2", tmp_path / "student")
     cases.append((lambda: run_align(AlignConfig(against_capture=str(student_out), student_tokenizer="gpt-2",
                                                 output=str(tmp_path / "again"))), "not a capture"))
+    cases.append((lambda: run_align(AlignConfig(against_capture=str(devil_capture), student_tokenizer="gpt-2",
+                                                teacher_tokenizers=[str(tokenizer_path("gpt-2"))],
+                                                output=str(tmp_path / "other-teacher"))), "teacher tokenizer 0"))
     for action, words in cases:
         with pytest.raises(CsdError) as err:
             action()
