@@ -1,5 +1,8 @@
 """`csd-pipeline align`: tokenize a corpus with the student and every teacher, align, write shards.
 
+`--capture-only` writes a teacher capture (no student) and `--against-capture DIR` aligns a student
+against one (docs/CAPTURE.md).
+
 Every option is a field of `AlignConfig` (`csd_pipeline/align/config.py`), which holds its default
 and help; `run_align` takes the config to the executor and the shard writer.
 """
@@ -47,6 +50,8 @@ def _table_pairs(ctx, param, pairs):
 @config_option(AlignConfig, "alignment_regions")
 @config_option(AlignConfig, "drop_first_assistant_chunk")
 @config_option(AlignConfig, "trust_remote_code")
+@config_option(AlignConfig, "capture_only")
+@config_option(AlignConfig, "against_capture", type=click.Path(file_okay=False))
 @click.option("--quiet", is_flag=True, help="Print nothing but errors.")
 def align(**options):
     """Align a corpus into shards of windows (SPEC §4, §7, §8); re-running resumes."""

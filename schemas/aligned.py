@@ -1,4 +1,4 @@
-"""Aligned shards: the declared Arrow schema (version 1) and the chunk status codes.
+"""Aligned shards: the declared Arrow schemas (aligned version 1, capture version 1) and the chunk status codes.
 
 One row is one window of one source document (SPEC §8). Columns:
 
@@ -21,6 +21,14 @@ The chunks of a row cover every token of both sides in order: chunk c covers stu
 `[s0, s0 + M)` and teacher tokens `[t0, t0 + N)`, where `s0`/`t0` are the running sums of the earlier
 chunks' lengths. Every row starts with the pair of context tokens as one 1:1 chunk with status
 `SPECIAL` (unless the align stage ran with `--no-context-token`).
+
+**Capture variant** (`csd-pipeline align --capture-only`, manifest `"kind": "capture"`; shard metadata
+`csd.schema` = `aligned-capture`, `csd.schema_version` = `CAPTURE_SCHEMA_VERSION`): windows cut by one
+teacher's tokenization alone, with no student. Columns `row_id`, `text`, `teacher0_ids`, `source`,
+`record_index`, `window_index`, `byte_start`, as above; no student columns and no chunk columns.
+`teacher-logits` reads it like any aligned output. `csd-pipeline align --against-capture DIR` writes, for
+a student, an aligned output (version 1) co-partitioned with the capture whose `teacher0_ids` are the
+capture's; a chunk cut by a window edge there has the status `CAPTURE_EDGE` (docs/CAPTURE.md).
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from __future__ import annotations
 from enum import IntEnum
 
 SCHEMA_VERSION = 1
+CAPTURE_SCHEMA_VERSION = 1
 STAGE = "align"
+CAPTURE_KIND = "capture"  # the manifest's "kind" of a capture (absent: an aligned output)
+CAPTURE_COLUMNS = ("row_id", "text", "teacher0_ids", "source", "record_index", "window_index", "byte_start")
 
 
 class ChunkStatus(IntEnum):
@@ -55,6 +66,10 @@ class ChunkStatus(IntEnum):
     TOO_LONG = 8
     """Reserved: a chunk longer than a window limit. The align stage never writes it; it drops
     such a window region and counts it as the rejection `chunk_longer_than_window`."""
+    CAPTURE_EDGE = 9
+    """Aligned against a capture (`--against-capture`): the chunk is cut by the capture's window edge (the
+    student has no token boundary there). It holds the window's teacher tokens of the chunk and the student
+    tokens wholly inside the window (maybe none); the student token across the edge is in no row. Not an event."""
 
 
 SHAPES = ("1:1", "1:N", "M:1", "M:N")
@@ -118,3 +133,15 @@ def aligned_schema(num_teachers: int):
     metadata = {b"csd.schema": b"aligned", b"csd.schema_version": str(SCHEMA_VERSION).encode(), **PAGE_CHECKSUM_MARK}
     return pa.schema(fields, metadata=metadata)
 
+
+
+def capture_schema():
+    """The Arrow schema (capture version 1) of a teacher capture's shards: `CAPTURE_COLUMNS`, no student."""
+    import pyarrow as pa
+
+    from csd_pipeline.runtime.integrity import PAGE_CHECKSUM_MARK
+
+    full = aligned_schema(1)
+    metadata = {b"csd.schema": b"aligned-capture", b"csd.schema_version": str(CAPTURE_SCHEMA_VERSION).encode(),
+                **PAGE_CHECKSUM_MARK}
+    return pa.schema([full.field(name) for name in CAPTURE_COLUMNS], metadata=metadata)

@@ -2,8 +2,8 @@
 
 `TrainingData.open(config)` opens the aligned output (`AlignedOutput`) and each teacher top-k
 output (`TeacherTopkOutput`), which read their manifests (never a glob), and checks them against
-each other (a teacher output records the sha256 of the aligned manifest it was computed from, and
-the shards are co-partitioned) and against the student tokenizer (fingerprint). Any mismatch
+each other (a teacher output records the sha256 of the aligned manifest it was computed from, or of
+the capture the aligned output was aligned against (docs/CAPTURE.md), and the shards are co-partitioned) and against the student tokenizer (fingerprint). Any mismatch
 raises `CsdError` naming the stage to re-run. `TrainingData.loader(rank, world, state)` is this
 rank's stream of micro-batches (`trainer/loader.py`).
 """
@@ -66,6 +66,7 @@ class TrainingData:
         from trainer.model import student_tokenizer_source
 
         aligned = AlignedOutput.open(config.data.aligned)
+        aligned.require_student("--aligned")
         aligned.verify()
         max_student = aligned.max_student_tokens
         if max_student is not None and max_student > config.data.seq_len:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.storage import location
-from schemas.aligned import SCHEMA_VERSION, STAGE, teacher_columns
+from schemas.aligned import CAPTURE_KIND, SCHEMA_VERSION, STAGE, teacher_columns
 
 ALIGN_RERUN = "csd-pipeline align"
 STUDENT_COLUMNS = ("student_ids", "student_loss_mask")
@@ -93,6 +93,9 @@ class AlignedOutput:
                     and all(type(t.get(k)) in (str, type(None)) for k in ("fingerprint", "name"))
                     and (t.get("size") is None or 0 < t["size"] < 2**31) for t in teachers),
             "tables": isinstance(self.manifest.get("tables", []), list),
+            "kind": self.manifest.get("kind", "aligned") in ("aligned", CAPTURE_KIND)
+            and isinstance(self.manifest.get("against_capture", {}), dict)
+            and type((self.manifest.get("against_capture") or {}).get("manifest_sha256")) in (str, type(None)),
         }
         for key, good in checks.items():
             if not good:
@@ -135,6 +138,23 @@ class AlignedOutput:
     def max_student_tokens(self) -> int | None:
         value = self._config.get("max_student_tokens")
         return None if value is None else int(value)
+
+    @property
+    def kind(self) -> str:
+        """"capture" for a teacher capture (`align --capture-only`: no student), else "aligned"."""
+        return str(self.manifest.get("kind") or "aligned")
+
+    @property
+    def capture_manifest_sha256(self) -> str | None:
+        """The sha256 of the capture's manifest this output was aligned against (`--against-capture`), or None."""
+        return (self.manifest.get("against_capture") or {}).get("manifest_sha256")
+
+    def require_student(self, option: str) -> None:
+        """Raise `CsdError` (naming `option`) when this output is a capture, which has no student to train."""
+        if self.kind == CAPTURE_KIND:
+            raise CsdError(f"{option} {self.directory} is a teacher capture (no student); align the student against it "
+                           f"with `{ALIGN_RERUN} --against-capture {self.directory} --student-tokenizer S --output DIR` "
+                           f"and pass DIR.")
 
     @property
     def _config(self) -> dict:
@@ -191,6 +211,10 @@ class AlignedOutput:
         names the align stage)."""
         from csd_pipeline.runtime.integrity import check_table_fingerprints
 
+        if self.kind == CAPTURE_KIND:
+            raise CsdError(f"{self.directory} is a teacher capture: it has no student, so no tables (--keep csd-events "
+                           f"and training read them); align a student against it with `{ALIGN_RERUN} "
+                           f"--against-capture {self.directory}` and use that output.")
         return check_table_fingerprints(self.manifest, self.directory, index)
 
     # -- columns --------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 `AlignShardWriter(config, chat, tokenizers)(task, tmp_path)` reads the shard's documents in order,
 aligns them in batches of about `config.batch_bytes` of text with the mode's aligner
-(`text_mode.TextAligner`, or `chat_mode.ChatAligner`) and writes Parquet row groups of a fixed
+(`text_mode.TextAligner`, `chat_mode.ChatAligner`, or `capture.CaptureAligner` for `--capture-only`;
+`against_capture.py` brings its own) and writes Parquet row groups of a fixed
 number of rows (zstd). Shard bytes depend only on the shard's documents and the config.
 
 The writer is picklable: the executor sends a copy to each worker process (`--workers N`), which
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-
-from schemas.aligned import aligned_schema
 
 ROW_GROUP_ROWS = 1024
 COMPRESSION_LEVEL = 3
@@ -36,7 +35,8 @@ class AlignTokenizers:
         def load(arg: str):
             return load_tokenizer(resolve_tokenizer_arg(arg), trust_remote_code=config.trust_remote_code)
 
-        return cls(load(config.student_tokenizer), [load(t) for t in config.teacher_tokenizers])
+        student = load(config.student_tokenizer) if config.student_tokenizer else None  # None: a capture
+        return cls(student, [load(t) for t in config.teacher_tokenizers])
 
 
 class AlignShardWriter:
@@ -64,7 +64,11 @@ class AlignShardWriter:
         if self._aligner is None:
             config = self.config
             tokenizers = self._tokenizers or AlignTokenizers.load(config)
-            if self.chat:
+            if config.capture_only:
+                from csd_pipeline.align.capture import CaptureAligner
+
+                self._aligner = CaptureAligner(tokenizers.teachers[0], config.teacher_limits()[0], config.context_token)
+            elif self.chat:
                 from csd_pipeline.align.chat_mode import make_chat_aligner
 
                 settings = {"chat": self.chat, "max_student_tokens": config.max_student_tokens,
@@ -130,7 +134,7 @@ def write_shard(segments: list[dict], tmp_path: Path, aligner, config, *, whole_
     stats = aligner.new_stats()
     rows = 0
     pending: list = []  # aligned tables not yet written: fewer than ROW_GROUP_ROWS rows in all
-    with pq.ParquetWriter(str(tmp_path), aligned_schema(len(aligner.teachers)), compression="zstd",
+    with pq.ParquetWriter(str(tmp_path), aligner.schema, compression="zstd",
                           compression_level=COMPRESSION_LEVEL, write_statistics=False, store_schema=True,
                           **PARQUET_CHECKSUMS) as writer:
         for table in _aligned_batches(_documents(segments, options, stats), aligner, stats, config.batch_bytes):

@@ -10,7 +10,9 @@ executor (`csd_pipeline.runtime.executor.run_stage`) needs:
 - prepare: each teacher's two sub-token tables, built or copied into `DIR/tables/teacher{i}/`;
 - shard writer: `AlignShardWriter` (`shard_writer.py`).
 
-`run_align(config)` runs it for this rank.
+`run_align(config)` runs it for this rank. With `--capture-only` the same stage writes a teacher capture
+(no student, no tables; `capture.py`); with `--against-capture` it runs `against_capture.AgainstCaptureStage`
+(docs/CAPTURE.md).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from csd_pipeline.align.shard_writer import AlignShardWriter, AlignTokenizers
 from csd_pipeline.errors import CsdError
 from csd_pipeline.runtime.executor import ShardTask, Stage, numbered_tasks, run_configured
 from csd_pipeline.runtime.storage import location
-from schemas.aligned import SCHEMA_VERSION, STAGE
+from schemas.aligned import CAPTURE_KIND, SCHEMA_VERSION, STAGE
 
 TABLE_NAMES = ("student_to_teacher.safetensors", "teacher_to_student.safetensors")
 # The options that decide the aligned bytes, as the identity's "config" records them (and "chat" in chat mode).
@@ -40,8 +42,14 @@ def run_align(config: AlignConfig, *, rank: int | None = None, world_size: int |
     bad option, a missing corpus path, an unsupported tokenizer, tables that do not match the
     tokenizers, or an output directory holding another run.
     """
-    return run_configured(config, lambda: AlignStage(config, tokenizers), rank=rank, world_size=world_size,
-                          workers=workers, engine=engine, log=log)
+    def build():
+        if config.against_capture:
+            from csd_pipeline.align.against_capture import AgainstCaptureStage
+
+            return AgainstCaptureStage(config, tokenizers)
+        return AlignStage(config, tokenizers)
+
+    return run_configured(config, build, rank=rank, world_size=world_size, workers=workers, engine=engine, log=log)
 
 
 class AlignStage(Stage):
@@ -68,20 +76,21 @@ class AlignStage(Stage):
 
     @property
     def recorded(self) -> tuple[str, ...]:
-        return RECORDED + (("chat",) if self.chat is not None else ())
+        return RECORDED + (("chat",) if self.chat is not None else ()) + (("kind",) if self.config.capture_only else ())
 
     def derived(self, world_size: int) -> dict:
-        return {"max_teacher_tokens": self.config.teacher_limits(), "world_size": world_size, "chat": self.chat}
+        derived = {"max_teacher_tokens": self.config.teacher_limits(), "world_size": world_size, "chat": self.chat}
+        if self.config.capture_only:  # no student: its window limit does not apply
+            derived |= {"max_student_tokens": None, "kind": CAPTURE_KIND}
+        return derived
 
     def sources(self) -> dict:
         config = self.config
-        return {
-            "inputs": [f.fingerprint() for f in self.files],
-            "tokenizers": {
-                "student": _tokenizer_record(self.tokenizers.student, config.student_tokenizer),
-                "teachers": [_tokenizer_record(t, arg) for t, arg in zip(self.tokenizers.teachers, config.teacher_tokenizers)],
-            },
-        }
+        tokenizers = {"teachers": [_tokenizer_record(t, arg) for t, arg in zip(self.tokenizers.teachers,
+                                                                              config.teacher_tokenizers)]}
+        if self.tokenizers.student is not None:
+            tokenizers = {"student": _tokenizer_record(self.tokenizers.student, config.student_tokenizer), **tokenizers}
+        return {"inputs": [f.fingerprint() for f in self.files], "tokenizers": tokenizers}
 
     def plan(self, world_size: int, log) -> list[ShardTask]:
         from csd_pipeline.align.corpus import ReadOptions, plan_shards, segment_spec
@@ -93,7 +102,11 @@ class AlignStage(Stage):
                               world_size)
 
     def manifest_extra(self) -> dict:
-        """Where each teacher's tables live inside DIR, with the fingerprints they were made for."""
+        """Where each teacher's tables live inside DIR, with the fingerprints they were made for (a capture: its
+        kind and the teacher tokenizer as `--against-capture` loads it again, no tables)."""
+        if self.config.capture_only:
+            return {"kind": CAPTURE_KIND, "tables": [],
+                    "capture_teacher_tokenizer": loadable_tokenizer_arg(self.config.teacher_tokenizers[0])}
         student = self.tokenizers.student.vocab.fingerprint
         return {"tables": [{
             "teacher": i,
@@ -104,7 +117,9 @@ class AlignStage(Stage):
         } for i, teacher in enumerate(self.tokenizers.teachers)]}
 
     def prepare(self, log) -> None:
-        """Copy (or build) each teacher's two tables into DIR/tables/teacher{i}/ unless already there."""
+        """Copy (or build) each teacher's two tables into DIR/tables/teacher{i}/ unless already there (a capture has none)."""
+        if self.tokenizers.student is None:
+            return
         for i, teacher in enumerate(self.tokenizers.teachers):
             for position in (0, 1):
                 self._prepare_table(i, teacher, position, log)
@@ -157,6 +172,12 @@ def _copy_table(given, target: Path) -> None:
         reason, advice = reason_and_advice(err)
         raise CsdError(f"copying table {given} into {target.parent} failed ({reason}); {advice}, then re-run the "
                        "same command (it resumes)") from None
+
+
+def loadable_tokenizer_arg(arg: str) -> str:
+    """`arg` as a later process loads it again: an existing path made absolute, a fixture or hub name as given."""
+    path = Path(arg)
+    return str(path.resolve()) if path.exists() else arg
 
 
 def _tokenizer_record(bundle, arg: str) -> dict:

@@ -67,7 +67,28 @@ class TextAligner:
     def align_documents(self, documents: list, stats: dict):
         """Align a batch of non-empty documents; return their windows as an Arrow table (schema v1)."""
         from csd_pipeline.align import prompt_completion
-        from csd_pipeline.align.chunks import align, cut_windows, token_spans
+        from csd_pipeline.align.chunks import align, cut_windows
+
+        src, doc_bytes, prompt_ends, spans = self.token_sides(documents)
+        student = spans[0]
+        tables = [align(src, doc_bytes, student, spans[s]) for s in self.side_of_teacher]
+        context = [c is not None for c in self.context]
+        windows = cut_windows(src, doc_bytes, tables, self.max_student, self.max_teachers, context)
+        loss_tokens = None
+        if prompt_ends is not None:
+            for table in tables:
+                prompt_completion.mark_prompt_chunks(table, prompt_ends)
+            windows = prompt_completion.drop_prompt_windows(windows, prompt_ends, stats)
+            loss_tokens = prompt_completion.completion_tokens(student, prompt_ends)
+        self._count(stats, documents, doc_bytes, windows, tables)
+        return self._rows(documents, src, doc_bytes, student, [spans[s] for s in self.side_of_teacher], tables, windows,
+                          stats, loss_tokens)
+
+    def token_sides(self, documents: list):
+        """(src, doc_bytes, prompt ends or None, `SideSpans` of each distinct tokenizer, student first) of a batch:
+        each tokenizer encodes the whole documents once (the one tokenization every alignment starts from)."""
+        from csd_pipeline.align import prompt_completion
+        from csd_pipeline.align.chunks import token_spans
 
         texts = [d.text for d in documents]
         encoded = [t.encode("utf-8") for t in texts]
@@ -90,19 +111,7 @@ class TextAligner:
                     side.set_ends(d, prompt_completion.offset_ends(bundle, texts[d], documents[d].prompt_bytes)
                                   if d in split else encoded_text.ends, doc_bytes)
             spans.append(side)
-        student = spans[0]
-        tables = [align(src, doc_bytes, student, spans[s]) for s in self.side_of_teacher]
-        context = [c is not None for c in self.context]
-        windows = cut_windows(src, doc_bytes, tables, self.max_student, self.max_teachers, context)
-        loss_tokens = None
-        if prompt_ends is not None:
-            for table in tables:
-                prompt_completion.mark_prompt_chunks(table, prompt_ends)
-            windows = prompt_completion.drop_prompt_windows(windows, prompt_ends, stats)
-            loss_tokens = prompt_completion.completion_tokens(student, prompt_ends)
-        self._count(stats, documents, doc_bytes, windows, tables)
-        return self._rows(documents, src, doc_bytes, student, [spans[s] for s in self.side_of_teacher], tables, windows,
-                          stats, loss_tokens)
+        return src, doc_bytes, prompt_ends, spans
 
     def _count(self, stats, documents, doc_bytes, windows, tables) -> None:
         aligned_docs = np.unique(windows.doc)

@@ -213,6 +213,13 @@ def inspect_summary(directory) -> dict:
     if aligned is None:
         report["stats"] = stats
         return report
+    if aligned.kind == "capture":  # a teacher capture has no student and no chunks: what its manifest counts
+        report.update({"kind": "capture", "windows": stats.get("windows", 0), "documents": stats.get("documents", {}),
+                       "tokens": stats.get("tokens", {}),
+                       "rejections": {"documents": stats.get("rejected_documents", {}),
+                                      "window_regions": stats.get("rejected_regions", {}),
+                                      "window_region_bytes": stats.get("rejected_region_bytes", 0)}})
+        return report
     tables = aligned_tables(aligned)
     teachers = sorted(tables.chunk_status)
     report.update({

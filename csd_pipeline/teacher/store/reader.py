@@ -259,10 +259,19 @@ class TeacherTopkOutput:
 
     def check_pairs_with(self, aligned) -> None:
         """Raise `CsdError` unless this output was computed from the `AlignedOutput` `aligned`: the
-        sha256 of its manifest is the one recorded here, and the shards have the same names and rows."""
+        sha256 of its manifest (or of the capture `aligned` was aligned against, `align --against-capture`,
+        whose rows carry the capture's teacher ids) is the one recorded here, and the shards have the same
+        names and rows."""
         recorded = (self.manifest.get("aligned") or {}).get("manifest_sha256")
         actual = aligned.manifest_sha256()
-        if recorded != actual:
+        if recorded != actual and aligned.capture_manifest_sha256 is not None:
+            if recorded != aligned.capture_manifest_sha256:  # aligned against a capture: its store serves it
+                raise CsdError(
+                    f"teacher top-k in {self.directory} was not computed from the capture {aligned.directory} was aligned "
+                    f"against (capture manifest sha256 {aligned.capture_manifest_sha256[:12]}, store made from "
+                    f"{str(recorded)[:12]}); pass the teacher-logits output of that capture, or re-run "
+                    f"`{TEACHER_RERUN} --aligned {aligned.directory}`")
+        elif recorded != actual:
             raise CsdError(
                 f"teacher top-k in {self.directory} was computed from another aligned directory than "
                 f"{aligned.directory} (aligned manifest sha256 {str(recorded)[:12]} recorded, {actual[:12]} found); "
