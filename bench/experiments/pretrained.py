@@ -156,18 +156,28 @@ def paired_vs_ce(results: list[dict], regime: str, arm: str) -> str:
     return f"{_mean(diffs):+6.2f}% +- {(max(diffs) - min(diffs)) / 2:.2f} ({len(seeds)})"
 
 
+def best_of_curve(results: list[dict], regime: str, arm: str) -> float | None:
+    """The mean over seeds of the lowest point of the trainer's held-out curve (the five languages together, every
+    steps/4 steps): each arm stopped at its best evaluation, as a tuned number of steps would."""
+    curves = [min(v for _, v in r["curve"]) for r in results if r["regime"] == regime and r["arm"] == arm
+              and r.get("curve")]
+    return _mean(curves) if curves else None
+
+
 def regime_table(results: list[dict], scores: dict, regime: str) -> str:
     """Per arm of `regime`: mean bits per byte per language over seeds, the non-English mean, vs CE (of the means,
-    and paired by seed where both ran two or more seeds)."""
+    and paired by seed where both ran two or more seeds), and the best point of the held-out curve vs CE's."""
     rows = {"teacher": [scores.get("teacher", {})], "before": [scores.get("before", {})]}
     for r in results:
         if r["regime"] == regime:
             rows.setdefault(r["arm"], []).append(r["bits_per_byte"])
     lines = [f"{regime}: held-out bits per byte (mean over seeds; spread = half of max - min of the non-English mean;"
-             " paired = per seed vs CE, mean +- half its spread (seeds))",
+             " paired = per seed vs CE, mean +- half its spread (seeds); best = the lowest point of the trainer's"
+             " held-out curve, five languages together, vs CE's)",
              f"{'arm':<26} {'seeds':>5} " + " ".join(f"{lang:>7}" for lang in HELDOUT)
-             + "  non-en   spread   vs CE   paired"]
+             + "  non-en   spread   vs CE    best  vs CE   paired"]
     ce = None
+    ce_best = best_of_curve(results, regime, "ce")
     for arm, runs in rows.items():
         if not runs[0]:
             continue
@@ -178,8 +188,11 @@ def regime_table(results: list[dict], scores: dict, regime: str) -> str:
         vs = f"{100 * (non_en / ce - 1):+6.2f}%" if ce and arm not in ("ce", "teacher", "before") else ""
         spread = (max(per_run) - min(per_run)) / 2
         paired = paired_vs_ce(results, regime, arm) if arm not in ("ce", "teacher", "before") else ""
+        best = best_of_curve(results, regime, arm)
+        best_cell = f"{best:.4f}" if best is not None else ""
+        best_vs = f"{100 * (best / ce_best - 1):+6.2f}%" if best is not None and ce_best and arm != "ce" else ""
         lines.append((f"{arm:<26} {len(runs):>5} " + " ".join(f"{means[lang]:7.4f}" for lang in HELDOUT)
-                      + f"  {non_en:.4f}  {spread:.4f}  {vs:>7}  {paired}").rstrip())
+                      + f"  {non_en:.4f}  {spread:.4f}  {vs:>7}  {best_cell:>6} {best_vs:>7}  {paired}").rstrip())
     return "\n".join(lines)
 
 
