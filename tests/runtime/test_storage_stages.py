@@ -173,8 +173,9 @@ def test_tables_build_both_into_s3_writes_the_local_bytes(work, runs, s3_server)
 
 
 def test_rounds_with_the_output_in_s3_chain_the_exports_and_resume(work, runs, s3_server, tmp_path, monkeypatch):
-    """Two on-policy rounds with every output in the bucket: round 2 samples with a checked local copy of
-    round 1's export (the same bytes as its objects); a re-run trains nothing and rewrites nothing."""
+    """Two on-policy rounds with every output in the bucket (the rounds driver's end-to-end test): each round's
+    stages, seed and KD-alone training step; round 2 samples with a checked local copy of round 1's export (the same
+    bytes as its objects); a re-run trains nothing and rewrites nothing."""
     from csd_pipeline.generate.rounds import RoundsConfig, run_rounds
     from csd_pipeline.runtime import storage
     from csd_pipeline.runtime.manifest import read_manifest
@@ -192,8 +193,14 @@ def test_rounds_with_the_output_in_s3_chain_the_exports_and_resume(work, runs, s
     written = s3_server.objects("s3://stages/rounds")
     for r in (1, 2):
         for stage, folder in (("generate", "generated"), ("align", "aligned"), ("teacher-logits", "teacher")):
-            read_manifest(storage.location(f"s3://stages/rounds/round-{r}/{folder}"), stage=stage)
+            manifest = read_manifest(storage.location(f"s3://stages/rounds/round-{r}/{folder}"), stage=stage)
+            if stage == "generate":
+                assert manifest["config"]["seed"] == r - 1
         assert f"round-{r}/train/export/config.json" in written and f"round-{r}/train/export/model.safetensors" in written
+        steps = [json.loads(x) for x in written[f"round-{r}/train/metrics.jsonl"].decode().splitlines() if '"step"' in x]
+        assert [m["step"] for m in steps] == [1] and not steps[0]["skipped"]
+        # GKD: the samples train the divergence alone (CE measured, weighted 0)
+        assert steps[0]["loss"] == pytest.approx(steps[0]["kd"], rel=1e-6) and steps[0]["ce"] > 0
     model = read_manifest(storage.location("s3://stages/rounds/round-2/generated"), stage="generate")["sources"]["model"]
     export = {name[len("round-1/train/export/"):]: data for name, data in written.items()
               if name.startswith("round-1/train/export/")}
