@@ -275,6 +275,7 @@ def _devil_documents(capture_dir: Path) -> dict:
     return out
 
 
+@pytest.mark.slow  # a kill -9 and three stage processes
 def test_killed_and_two_worker_runs_write_the_same_bytes(devil_capture, tokenizer_path, tables_for, tmp_path):
     """`kill -9` mid-run (the CLI, a shard written but not recorded) resumes to the bytes of one uninterrupted
     run, and so do two worker processes (each loads the tokenizers the stage recorded)."""

@@ -60,6 +60,7 @@ def parquet_rows(directory: Path) -> list[dict]:
     return [row for shard in manifest["shards"] for row in pq.read_table(directory / shard["file"]).to_pylist()]
 
 
+@pytest.mark.slow  # trains two students: a few seconds, the fast tier's budget is 90 s
 def test_the_shared_capture_trains_a_student_as_its_own_capture_does(shared_and_own, tmp_path):
     from trainer.loop import train
     from trainer.options import parse_args
