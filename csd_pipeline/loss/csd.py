@@ -224,6 +224,17 @@ class LossOutput:
     metrics: dict = field(default_factory=dict)
 
 
+def kd_multiplier(ce, kd, kd_scale=None):
+    """The detached multiplier of KD in L = CE + scale * KD: `kd_scale` when given, else sg(CE/KD) (0 when KD is 0)."""
+    import torch
+
+    if kd_scale is not None:
+        return torch.as_tensor(kd_scale, dtype=ce.dtype, device=ce.device).detach()
+    kd_d = kd.detach()
+    nonzero = kd_d != 0
+    return torch.where(nonzero, ce.detach() / torch.where(nonzero, kd_d, torch.ones_like(kd_d)), kd_d * 0)
+
+
 def combine_losses(
     ce_sum: torch.Tensor,
     global_ce_tokens: int | float,
@@ -263,12 +274,7 @@ def combine_losses(
         kd_i = term.divergence_sum / float(c) if float(c) > 0 else torch.zeros_like(ce)
         per_teacher.append(kd_i)
         kd = kd + w * kd_i
-    if kd_scale is None:
-        kd_d = kd.detach()
-        nonzero = kd_d != 0
-        scale = torch.where(nonzero, ce.detach() / torch.where(nonzero, kd_d, torch.ones_like(kd_d)), kd_d * 0)
-    else:
-        scale = torch.as_tensor(kd_scale, dtype=ce.dtype, device=ce.device).detach()
+    scale = kd_multiplier(ce, kd, kd_scale)
     loss = ce + scale * kd
     metrics: dict = {"ce": ce.detach(), "kd": kd.detach(), "loss": loss.detach(), "kd_scale": scale}
     for i, (term, kd_i) in enumerate(zip(kd_terms, per_teacher, strict=True)):

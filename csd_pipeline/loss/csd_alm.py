@@ -107,16 +107,11 @@ class CsdAlmLoss(TrainingLoss):
 def combined_output(csd, alm, lam: float, kd_scale=None):
     """The `LossOutput` of CE + scale x (KD_csd + lam x KD_alm) from the two losses' outputs on the same batch
     (their CE is the same; CSD's is kept). kd_scale None: the dynamic sg(CE/KD)."""
-    import torch
 
-    from csd_pipeline.loss.csd import LossOutput
+    from csd_pipeline.loss.csd import LossOutput, kd_multiplier
 
     kd = csd.kd + lam * alm.kd
-    if kd_scale is None:
-        kd_d = kd.detach()
-        scale = csd.ce.detach() / kd_d if float(kd_d) != 0 else kd_d * 0
-    else:
-        scale = torch.as_tensor(kd_scale, dtype=csd.ce.dtype, device=csd.ce.device)
+    scale = kd_multiplier(csd.ce, kd, kd_scale)
     metrics = dict(csd.metrics)
     metrics.update({"kd_csd": csd.kd.detach(), "kd_alm": alm.kd.detach(), "kd_scale": scale})
     return LossOutput(loss=csd.ce + scale * kd, ce=csd.ce, kd=kd, kd_terms=csd.kd_terms + alm.kd_terms,
