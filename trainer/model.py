@@ -56,8 +56,9 @@ class StudentWithLoss(torch.nn.Module):
         hidden = self.model.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
+        # FSDP2's layers hand float32 to the final norm, whose output is then float32 beside a bf16 head
+        hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
         out = (loss or self.loss)(ce_positions=ce_positions, ce_tokens=ce_tokens, teachers=teachers, hidden=hidden,
                         weight=weight, global_ce_tokens=global_ce_tokens, global_chunk_counts=global_chunk_counts,
                         teacher_weights=teacher_weights, kd_scale=0.0)
