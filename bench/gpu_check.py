@@ -113,7 +113,9 @@ def topk_error(aligned_dir: Path, device: str, max_rows: int) -> dict:
 
 
 def train_speed(aligned_dir: Path, device: str, tmp: Path, quick: bool) -> dict:
-    """A CSD step against a CE step on the same micro-batches (bf16 student on a GPU); peak GPU memory."""
+    """A CSD step against a CE step on the same micro-batches (bf16 parameters, also on the CPU); peak GPU memory."""
+    import dataclasses
+
     import torch
 
     from bench.bench_train import CPU_STUDENT, GPU_STUDENT, time_steps, train_config
@@ -131,6 +133,8 @@ def train_speed(aligned_dir: Path, device: str, tmp: Path, quick: bool) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(ctx.device)
         config = train_config(aligned_dir, teacher, student, tmp / "run", batch_size=2 if quick else 16, device=device)
+        # bf16 parameters as on a GPU, also in the CPU dry run: a float32 dry run once hid a bf16-only crash
+        config = dataclasses.replace(config, student=dataclasses.replace(config.student, dtype="bfloat16"))
         steps = time_steps(config, ctx, 2 if quick else 8)
         peak = _peak_gib(ctx.device)
     finally:
