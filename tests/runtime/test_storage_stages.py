@@ -138,6 +138,42 @@ def test_the_four_stages_in_s3_write_the_local_bytes(work, runs, s3_server):
     assert all(SECRET.encode() not in data for data in everything.values())
 
 
+def capture_and_train(root: Path, base: str, out: str) -> list[float]:
+    """One teacher capture of the corpus, its store, a student aligned against it and two training steps, in this
+    process; `base`/`out` as in `run_four_stages`. Returns the training losses."""
+    from cli.main import main as pipeline
+    from trainer.main import main as train
+
+    pipeline_run = functools.partial(in_process, pipeline, cwd=root)
+    pipeline_run(["align", "--corpus", f"{base}corpus", "--capture-only", "--teacher-tokenizer", "smollm2",
+                  "--max-teacher-tokens", "96", "--split-on-blank-lines", "--shard-mb", str(2000 / (1 << 20)),
+                  "--quiet", "--output", f"{out}capture"])
+    pipeline_run(["teacher-logits", "--aligned", f"{out}capture", "--teacher", root / "teacher", "--top-k", "8",
+                  "--device", "cpu", "--output", f"{out}capture-topk", "--quiet"])
+    pipeline_run(["align", "--against-capture", f"{out}capture", "--student-tokenizer", "llama-spm", "--max-student-tokens", "128", "--tables",
+                  *PAIR_TABLES, "--quiet", "--output", f"{out}against"])
+    in_process(train, ["--aligned", f"{out}against", "--teacher-logits", f"{out}capture-topk", "--student-config",
+                       root / "student.json", *TRAIN_ARGS, "--output", f"{out}against-student"], root)
+    if out.startswith("s3://"):
+        from csd_pipeline.runtime.storage import location
+
+        remote = location(f"{out}against-student/metrics.jsonl")
+        text = remote.fs.cat_file(remote.path).decode("utf-8")
+    else:
+        text = (root / out / "against-student" / "metrics.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line)["loss"] for line in text.splitlines() if line.strip()]
+
+
+def test_one_capture_in_s3_serves_a_student_in_s3_as_locally(work, runs, s3_server):
+    # issue 42 item 3: the capture, its store and the student aligned against it all in the bucket
+    local = capture_and_train(work, "", "local/")
+    remote = capture_and_train(work, "s3://stages/", "s3://stages/run/")
+    for name in ("capture", "capture-topk", "against"):
+        mine, theirs = shards(local_files(work / "local" / name)), shards(s3_server.objects(f"s3://stages/run/{name}/"))
+        assert mine and theirs == mine, name
+    assert len(local) == 2 and remote == local
+
+
 def test_report_reads_and_writes_s3_as_a_local_report(work, runs, s3_server):
     """The same report drawn into a local folder and into the bucket: the same files, report.md uploaded last."""
     from cli.main import main as pipeline
