@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp_name:
         tmp = Path(tmp_name)
-        aligned = _align(tmp, 4 if quick else None)
+        aligned = _align(tmp, 2 if quick else None)
         result = {"device": "cpu (dry run: no meaning)" if quick else torch.cuda.get_device_name(0),
                   "torch": torch.__version__,
                   "teacher": teacher_speed(aligned, device, tmp / "stage"),
