@@ -11,7 +11,8 @@ aligned for the llama-spm student and the SmolLM2 teacher (windows of at most 25
 - a CSD optimizer step against a CE step on the same micro-batches (`bench_train.time_steps`: a
   ~110M-parameter Llama student, bf16 parameters, 16 rows of 256 tokens);
 - peak GPU memory of the teacher stage and of training.
-Prints the result as JSON and writes `bench-results/gpu_check.json`. `--dry-run-cpu` runs the same code
+Prints the result as JSON and writes `bench-results/gpu_check.json`; to publish it, add it to the `runs` of
+docs/results/gpu_check.json and run `make results` (`table` writes docs/results/gpu.md's block). `--dry-run-cpu` runs the same code
 on the CPU at toy sizes (the tests use it; its numbers mean nothing).
 """
 
@@ -141,6 +142,39 @@ def train_speed(aligned_dir: Path, device: str, tmp: Path, quick: bool) -> dict:
         distributed.teardown()
     return {"student": "bench_train.CPU_STUDENT" if quick else "bench_train.GPU_STUDENT (~110M, bf16)",
             **steps, "csd_over_ce_step": steps["csd_step_s"] / steps["ce_step_s"], "peak_memory_gib": peak}
+
+
+ROWS = (  # (label, section, key, format) of the results table (docs/results/gpu.md)
+    ("teacher stage (bf16 forward, float32 log-softmax, top-32, encode, Parquet), positions/s", "teacher",
+     "stage_positions_per_s", "{:,.0f}"),
+    ("the same forward without the store, positions/s", "teacher", "forward_only_positions_per_s", "{:,.0f}"),
+    ("stage time / forward time", "teacher", "stage_over_forward_time", "{:.2f}"),
+    ("teacher stage peak GPU memory, GiB", "teacher", "peak_memory_gib", "{:.2f}"),
+    ("float32 top-32 ids that the bf16 top-32 also holds", "bf16_vs_float32_teacher", "float32_topk_held_by_bf16",
+     "{:.1%}"),
+    ("largest absolute log-prob difference, ids in both top-32, nats", "bf16_vs_float32_teacher",
+     "largest_logprob_error_shared_ids", "{:.2f}"),
+    ("largest observed-token log-prob difference, nats", "bf16_vs_float32_teacher",
+     "largest_observed_logprob_error", "{:.2f}"),
+    ("CE step, ~110M Llama student, bf16, 16 rows of 256 tokens (median of 8), s", "train", "ce_step_s", "{:.3f}"),
+    ("CSD step on the same micro-batches, s", "train", "csd_step_s", "{:.3f}"),
+    ("CSD step / CE step", "train", "csd_over_ce_step", "{:.2f}"),
+    ("training peak GPU memory, GiB", "train", "peak_memory_gib", "{:.2f}"),
+)
+
+
+def table(merged: dict) -> str:
+    """One row per figure, one column per run of a results file (docs/results/gpu_check.json); "failed" where the
+    run's section raised."""
+    runs = merged["runs"]
+    lines = ["| what | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |", "|---|" + "---|" * len(runs)]
+    for label, section, key, fmt in ROWS:
+        cells = []
+        for run in runs:
+            value = run.get(section, {}).get(key)
+            cells.append("failed" if "error" in run.get(section, {}) else "" if value is None else fmt.format(value))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,13 +20,13 @@ def test_the_shipped_teacher_task_scores_stand_for_this_checkout():
     # every time); `evaluate --cache-dir` reuses a file only for its exact key. The key must be this checkout's
     # (fixture teacher, task files, lm-eval version, options), or the seed is stale: re-run make demo and copy
     # the new file from ~/.cache/csd-pipeline/task-scores/.
-    from csd_pipeline.evaluation.harness import EvaluateConfig, cache_key
-    from csd_pipeline.runtime.files import bytes_sha256
+    from csd_pipeline.evaluation.harness import EvaluateConfig, cache_file, cache_key
     from demo.run import ROOT, TASKS, TEACHER
 
     key = cache_key(EvaluateConfig(model=TEACHER, tasks=TASKS.split(","), device="cpu"))
-    shipped = sorted((ROOT / "demo" / "task-scores").glob("*.json"))
-    assert [p.name for p in shipped] == [bytes_sha256(json.dumps(key, sort_keys=True).encode("utf-8"))[:32] + ".json"]
+    folder = ROOT / "demo" / "task-scores"
+    assert sorted(folder.glob("*.json")) == [cache_file(folder, key)]
+    shipped = [cache_file(folder, key)]
     results = json.loads(shipped[0].read_text(encoding="utf-8"))
     assert results["csd_pipeline"]["cache_key"] == key
     assert set(results["results"]) >= set(TASKS.split(","))

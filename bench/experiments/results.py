@@ -7,7 +7,7 @@ and `comparison`, the tables of `make bench-quality` and `make bench-compare` (d
 comparison.json); `teachers-data-limited`, `teachers-data-rich` and `teachers-pretrained`, the regimes of `make
 bench-teachers` (teachers.json); `pretrained` and `prune`, the tables of `make bench-pretrained` and `make
 bench-prune`; `onpolicy`, the on-policy rounds of onpolicy-multilingual.json; and `diagnosis`, the held-out
-curves of pretrained-diagnosis.json. Each benchmark's block is the text of its module's own table function
+curves of pretrained-diagnosis.json; `gpu`, the runs of `make gpu-check` (gpu_check.json). Each benchmark's block is the text of its module's own table function
 (`--table docs/results/<name>.json` prints the same; for the comparison `python -m bench.experiments.quality
 --comparison --table ...`). To publish a new measurement, copy its bench-results/<name>.json to docs/results/
 and run this.
@@ -37,7 +37,8 @@ RESULTS_DIR = DOCS / "results"
 PAGES = {"current": "RESULTS.md", "quality": "results/quality.md", "comparison": "results/comparison.md",
          "teachers-data-limited": "results/teachers.md", "teachers-data-rich": "results/teachers.md",
          "teachers-pretrained": "results/teachers.md", "pretrained": "results/pretrained.md",
-         "diagnosis": "results/pretrained.md", "prune": "results/prune.md", "onpolicy": "results/onpolicy.md"}
+         "diagnosis": "results/pretrained.md", "prune": "results/prune.md", "onpolicy": "results/onpolicy.md",
+         "gpu": "results/gpu.md"}
 COMMAND = "python -m bench.experiments.results"
 
 
@@ -96,6 +97,7 @@ def diagnosis(merged: dict) -> str:
 
 def blocks(results_dir: Path = RESULTS_DIR) -> dict[str, str]:
     """Every generated block's text, from the JSON files in `results_dir`."""
+    from bench import gpu_check
     from bench.experiments import onpolicy, pretrained, prune, quality, teachers
 
     def load(name: str) -> dict:
@@ -109,7 +111,8 @@ def blocks(results_dir: Path = RESULTS_DIR) -> dict[str, str]:
             "diagnosis": diagnosis(load("pretrained-diagnosis")),
             "prune": f"```\n{prune.table(loaded['prune'])}\n```",
             "onpolicy": onpolicy.table(load("onpolicy-multilingual")),
-            "comparison": quality.comparison_table(loaded["comparison"])}
+            "comparison": quality.comparison_table(loaded["comparison"]),
+            "gpu": gpu_check.table(load("gpu_check"))}
 
 
 def markers(name: str) -> tuple[str, str]:

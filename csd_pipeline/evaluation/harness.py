@@ -170,13 +170,20 @@ def cache_key(config: EvaluateConfig) -> dict:
             "num_fewshot": config.num_fewshot, "seed": config.seed, "device": device, "dtype": model_args["dtype"]}
 
 
+def cache_file(cache_dir: str | Path, key: dict) -> Path:
+    """The file in `cache_dir` that holds the results of `key` (`cache_key`)."""
+    from csd_pipeline.runtime.files import bytes_sha256
+
+    return Path(cache_dir) / f"{bytes_sha256(json.dumps(key, sort_keys=True).encode('utf-8'))[:32]}.json"
+
+
 def evaluate_cached(config: EvaluateConfig, cache_dir: str | Path) -> tuple[dict, Path | None]:
     """`evaluate(config)`, or its earlier results from `cache_dir` when the model, the tasks' files, the harness's
     version and the options are the same (`cache_key`). Returns (results, the cache file reused or None)."""
-    from csd_pipeline.runtime.files import atomic_write_text, bytes_sha256
+    from csd_pipeline.runtime.files import atomic_write_text
 
     key = cache_key(config)
-    path = Path(cache_dir) / f"{bytes_sha256(json.dumps(key, sort_keys=True).encode('utf-8'))[:32]}.json"
+    path = cache_file(cache_dir, key)
     if path.is_file():
         try:
             cached = json.loads(path.read_text(encoding="utf-8"))
