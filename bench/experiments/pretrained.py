@@ -144,10 +144,19 @@ def _non_english(record: dict) -> float:
     return _mean(record["bits_per_byte"][lang] for lang in LANGUAGES)
 
 
-def paired_vs_ce(results: list[dict], regime: str, arm: str) -> str:
-    """The arm's non-English mean minus CE's, paired by seed: the mean over the seeds both ran, in percent of CE's
-    mean over those seeds, +- half the min-max spread of the paired differences ("" with fewer than two)."""
-    ce = {r["seed"]: _non_english(r) for r in results if r["regime"] == regime and r["arm"] == "ce"}
+def best_ce_arm(results: list[dict], regime: str) -> str:
+    """CE tuned: of the CE arms of `regime` (`ce`, `ce lr...`), the one with the lowest mean non-English figure."""
+    means: dict[str, list[float]] = {}
+    for r in results:
+        if r["regime"] == regime and (r["arm"] == "ce" or r["arm"].startswith("ce ")):
+            means.setdefault(r["arm"], []).append(_non_english(r))
+    return min(means, key=lambda arm: _mean(means[arm])) if means else "ce"
+
+
+def paired_vs_ce(results: list[dict], regime: str, arm: str, ce_arm: str = "ce") -> str:
+    """The arm's non-English mean minus CE's (`ce_arm`), paired by seed: the mean over the seeds both ran, in percent
+    of CE's mean over those seeds, +- half the min-max spread of the paired differences ("" with fewer than two)."""
+    ce = {r["seed"]: _non_english(r) for r in results if r["regime"] == regime and r["arm"] == ce_arm}
     runs = {r["seed"]: _non_english(r) for r in results if r["regime"] == regime and r["arm"] == arm}
     seeds = sorted(set(ce) & set(runs))
     if len(seeds) < 2:
@@ -166,32 +175,38 @@ def best_of_curve(results: list[dict], regime: str, arm: str) -> float | None:
 
 def regime_table(results: list[dict], scores: dict, regime: str) -> str:
     """Per arm of `regime`: mean bits per byte per language over seeds, the non-English mean, vs CE (of the means,
-    and paired by seed where both ran two or more seeds), and the best point of the held-out curve vs CE's."""
+    and paired by seed where both ran two or more seeds), and the best point of the held-out curve vs CE's.
+    CE is its best-tuned arm (`best_ce_arm`): every arm is compared with CE at CE's best learning rate."""
     rows = {"teacher": [scores.get("teacher", {})], "before": [scores.get("before", {})]}
     for r in results:
         if r["regime"] == regime:
             rows.setdefault(r["arm"], []).append(r["bits_per_byte"])
+    ce_arm = best_ce_arm(results, regime)
+    width = max(len(arm) for arm in rows)
     lines = [f"{regime}: held-out bits per byte (mean over seeds; spread = half of max - min of the non-English mean;"
+             f" vs CE = vs `{ce_arm}`, the CE arm with the lowest mean;"
              " paired = per seed vs CE, mean +- half its spread (seeds); best = the lowest point of the trainer's"
-             " held-out curve, five languages together, vs CE's)",
-             f"{'arm':<26} {'seeds':>5} " + " ".join(f"{lang:>7}" for lang in HELDOUT)
+             " held-out curve, five languages together, vs the lowest of any CE arm)",
+             f"{'arm':<{width}} {'seeds':>5} " + " ".join(f"{lang:>7}" for lang in HELDOUT)
              + "  non-en   spread   vs CE    best  vs CE   paired"]
-    ce = None
-    ce_best = best_of_curve(results, regime, "ce")
+    ce = _mean(_non_english(r) for r in results if r["regime"] == regime and r["arm"] == ce_arm) \
+        if any(r["regime"] == regime and r["arm"] == ce_arm for r in results) else None
+    ce_curves = [best_of_curve(results, regime, a) for a in {r["arm"] for r in results if r["regime"] == regime}
+                 if a == "ce" or a.startswith("ce ")]
+    ce_best = min((b for b in ce_curves if b is not None), default=None)  # CE's steps tuned too: its lowest point
     for arm, runs in rows.items():
         if not runs[0]:
             continue
         means = {lang: _mean(r[lang] for r in runs) for lang in HELDOUT}
         per_run = [_mean(r[lang] for lang in LANGUAGES) for r in runs]
         non_en = _mean(per_run)
-        ce = non_en if arm == "ce" else ce
-        vs = f"{100 * (non_en / ce - 1):+6.2f}%" if ce and arm not in ("ce", "teacher", "before") else ""
+        vs = f"{100 * (non_en / ce - 1):+6.2f}%" if ce and arm not in (ce_arm, "teacher", "before") else ""
         spread = (max(per_run) - min(per_run)) / 2
-        paired = paired_vs_ce(results, regime, arm) if arm not in ("ce", "teacher", "before") else ""
+        paired = paired_vs_ce(results, regime, arm, ce_arm) if arm not in (ce_arm, "teacher", "before") else ""
         best = best_of_curve(results, regime, arm)
         best_cell = f"{best:.4f}" if best is not None else ""
-        best_vs = f"{100 * (best / ce_best - 1):+6.2f}%" if best is not None and ce_best and arm != "ce" else ""
-        lines.append((f"{arm:<26} {len(runs):>5} " + " ".join(f"{means[lang]:7.4f}" for lang in HELDOUT)
+        best_vs = f"{100 * (best / ce_best - 1):+6.2f}%" if best is not None and ce_best and best != ce_best else ""
+        lines.append((f"{arm:<{width}} {len(runs):>5} " + " ".join(f"{means[lang]:7.4f}" for lang in HELDOUT)
                       + f"  {non_en:.4f}  {spread:.4f}  {vs:>7}  {best_cell:>6} {best_vs:>7}  {paired}").rstrip())
     return "\n".join(lines)
 

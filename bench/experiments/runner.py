@@ -46,7 +46,14 @@ def run(cmd: list, log: Path, threads: int | None = None) -> None:
         result = subprocess.run([str(c) for c in cmd], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
                                 env=_env(threads))
     if result.returncode != 0:
-        raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}")
+        raise RuntimeError(f"failed ({result.returncode}): {' '.join(map(str, cmd))}; see {log}{_last_error(log)}")
+
+
+def _last_error(log: Path) -> str:
+    """The command's own `error:` line from its log, so that a failure reads whole where only the message travels
+    (a remote machine's runs)."""
+    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.startswith("error:")]
+    return f"\n{lines[-1]}" if lines else ""
 
 
 def fresh_run(target: Path, log: Path, threads: int | None) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from bench.experiments import prune
-from bench.experiments.runner import main, save_results
+from bench.experiments.runner import main, run, save_results
 
 
 def test_a_run_replaces_only_the_run_with_its_key(tmp_path):
@@ -94,3 +94,16 @@ def test_quality_writes_each_store_once_and_trains_each_arm_as_before(tmp_path, 
     before = [*train[train.index("--aligned"):], *old["train"], *old["arms"]["csd kl b1 p0.99k64 t2"]]
     assert parse_args(train[1:]) == parse_args(before)
     assert record["bits_per_byte"] == 3.0 and record["args"][-2:] == ["--teacher-temperature", "2"]
+
+
+def test_a_failed_command_names_its_own_error_line(tmp_path):
+    """A run that fails carries the command's `error:` line, not only the path of a log that may stay elsewhere."""
+    import sys
+
+    import pytest
+
+    log = tmp_path / "run.log"
+    script = "import sys; print('working'); print('error: --lr: 2 is too large', file=sys.stderr); sys.exit(2)"
+    with pytest.raises(RuntimeError) as failed:
+        run([sys.executable, "-c", script], log)
+    assert str(failed.value).startswith("failed (2): ") and str(failed.value).endswith("\nerror: --lr: 2 is too large")
