@@ -186,28 +186,33 @@ STAND_IN = ("import sys; from pathlib import Path; from tests.teacher.test_serve
 
 
 @pytest.mark.slow
-def test_killed_after_a_shard_then_rerun_against_a_moved_server_gives_the_same_bytes(aligned, tiny_teacher, tmp_path):  # noqa: F811
+def test_killed_after_a_shard_then_rerun_against_a_moved_server_gives_the_same_bytes(aligned, tiny_teacher, tmp_path,  # noqa: F811
+                                                                                  monkeypatch):
     """kill -9 (the executor's crash hook) after the first shard's marker, then a re-run with another URL and
-    concurrency: the output equals an uninterrupted run's, byte for byte (the URL is not part of the identity)."""
+    concurrency: the output equals an uninterrupted run's, byte for byte (the URL is not part of the identity).
+    Only the killed run is a process of its own; the uninterrupted run and the re-run run here."""
     import subprocess
     import sys
 
     from csd_pipeline.runtime.executor import CRASH_ENV
+    from csd_pipeline.teacher.served import ServedTeacher
+    from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
     from tests.reliability.cases import REPO, tree
     from tests.teacher.test_stage import K as TINY_K
 
-    def command(output, url, concurrency, env=None):
-        args = ["teacher-logits", "--aligned", aligned, "--output", output, "--teacher-server", url, "--teacher-model",
-                "tiny", "--top-k", TINY_K, "--server-concurrency", concurrency, "--quiet"]
-        environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
-        return subprocess.run([sys.executable, "-c", STAND_IN, str(tiny_teacher), *map(str, args)], cwd=REPO,
-                              env=environment, capture_output=True, text=True, timeout=300)
+    def config(output, url, concurrency):
+        return TeacherLogitsConfig(aligned=str(aligned), output=str(output), teacher_server=url, teacher_model="tiny",
+                                   top_k=TINY_K, server_concurrency=concurrency)
 
+    monkeypatch.setattr(ServedTeacher, "_call", answer_from(tiny_teacher))
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    assert command(whole, "http://127.0.0.1:1", 4).returncode == 0
-    crashed = command(killed, "http://127.0.0.1:2", 2, {CRASH_ENV: "after_marker:1"})
+    assert run_teacher_logits(config(whole, "http://127.0.0.1:1", 4), log=None).complete
+    args = ["teacher-logits", "--aligned", aligned, "--output", killed, "--teacher-server", "http://127.0.0.1:2",
+            "--teacher-model", "tiny", "--top-k", TINY_K, "--server-concurrency", 2, "--quiet"]
+    environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **{CRASH_ENV: "after_marker:1"})
+    crashed = subprocess.run([sys.executable, "-c", STAND_IN, str(tiny_teacher), *map(str, args)], cwd=REPO,
+                             env=environment, capture_output=True, text=True, timeout=300)
     assert crashed.returncode == -9 and not (killed / "manifest.json").exists()
     assert len(list((killed / "done").glob("*.done"))) == 1
-    again = command(killed, "http://127.0.0.1:3", 1)
-    assert again.returncode == 0, again.stderr
+    assert run_teacher_logits(config(killed, "http://127.0.0.1:3", 1), log=None).complete
     assert tree(killed) == tree(whole)
