@@ -165,6 +165,11 @@ def arm_flags(exp: Experiment, arm: Arm) -> list[str]:
     return as_flags(arm_options(arm))
 
 
+def is_ce_arm(name: str) -> bool:
+    """`ce` and its tuned variants (`ce lr1e-4`, ...): the arms among which CE's best is taken."""
+    return name == "ce" or name.startswith("ce ")
+
+
 def pick_arms(exp: Experiment, text: str | None, default: list[str] | None = None) -> list[str]:
     """The arms named in `text` (comma-separated), or `default`, or every arm; raise `CsdError` naming the unknown."""
     known = exp.all_arm_names()

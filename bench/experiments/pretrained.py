@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, store_args, train_config_args
+from bench.experiments.plan import arm_flags, experiment, is_ce_arm, store_args, train_config_args
 from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
 
 CORPUS = ROOT / "bench/corpus/multilingual"
@@ -148,7 +148,7 @@ def best_ce_arm(results: list[dict], regime: str) -> str:
     """CE tuned: of the CE arms of `regime` (`ce`, `ce lr...`), the one with the lowest mean non-English figure."""
     means: dict[str, list[float]] = {}
     for r in results:
-        if r["regime"] == regime and (r["arm"] == "ce" or r["arm"].startswith("ce ")):
+        if r["regime"] == regime and is_ce_arm(r["arm"]):
             means.setdefault(r["arm"], []).append(_non_english(r))
     return min(means, key=lambda arm: _mean(means[arm])) if means else "ce"
 
@@ -192,7 +192,7 @@ def regime_table(results: list[dict], scores: dict, regime: str) -> str:
     ce = _mean(_non_english(r) for r in results if r["regime"] == regime and r["arm"] == ce_arm) \
         if any(r["regime"] == regime and r["arm"] == ce_arm for r in results) else None
     ce_curves = [best_of_curve(results, regime, a) for a in {r["arm"] for r in results if r["regime"] == regime}
-                 if a == "ce" or a.startswith("ce ")]
+                 if is_ce_arm(a)]
     ce_best = min((b for b in ce_curves if b is not None), default=None)  # CE's steps tuned too: its lowest point
     for arm, runs in rows.items():
         if not runs[0]:
