@@ -144,13 +144,15 @@ def _non_english(record: dict) -> float:
     return _mean(record["bits_per_byte"][lang] for lang in LANGUAGES)
 
 
-def best_ce_arm(results: list[dict], regime: str) -> str:
-    """CE tuned: of the CE arms of `regime` (`ce`, `ce lr...`), the one with the lowest mean non-English figure."""
-    means: dict[str, list[float]] = {}
+def best_ce_arm(results: list[dict], regime: str) -> tuple[str, float | None]:
+    """CE tuned: of the CE arms of `regime` (`ce`, `ce lr...`), the one with the lowest mean non-English figure,
+    and that mean (("ce", None) when no CE arm ran)."""
+    runs: dict[str, list[float]] = {}
     for r in results:
         if r["regime"] == regime and is_ce_arm(r["arm"]):
-            means.setdefault(r["arm"], []).append(_non_english(r))
-    return min(means, key=lambda arm: _mean(means[arm])) if means else "ce"
+            runs.setdefault(r["arm"], []).append(_non_english(r))
+    means = {arm: _mean(values) for arm, values in runs.items()}
+    return min(means.items(), key=lambda item: item[1]) if means else ("ce", None)
 
 
 def paired_vs_ce(results: list[dict], regime: str, arm: str, ce_arm: str = "ce") -> str:
@@ -181,7 +183,7 @@ def regime_table(results: list[dict], scores: dict, regime: str) -> str:
     for r in results:
         if r["regime"] == regime:
             rows.setdefault(r["arm"], []).append(r["bits_per_byte"])
-    ce_arm = best_ce_arm(results, regime)
+    ce_arm, ce = best_ce_arm(results, regime)
     width = max(len(arm) for arm in rows)
     lines = [f"{regime}: held-out bits per byte (mean over seeds; spread = half of max - min of the non-English mean;"
              f" vs CE = vs `{ce_arm}`, the CE arm with the lowest mean;"
@@ -189,8 +191,6 @@ def regime_table(results: list[dict], scores: dict, regime: str) -> str:
              " held-out curve, five languages together, vs the lowest of any CE arm)",
              f"{'arm':<{width}} {'seeds':>5} " + " ".join(f"{lang:>7}" for lang in HELDOUT)
              + "  non-en   spread   vs CE    best  vs CE   paired"]
-    ce = _mean(_non_english(r) for r in results if r["regime"] == regime and r["arm"] == ce_arm) \
-        if any(r["regime"] == regime and r["arm"] == ce_arm for r in results) else None
     ce_curves = [best_of_curve(results, regime, a) for a in {r["arm"] for r in results if r["regime"] == regime}
                  if is_ce_arm(a)]
     ce_best = min((b for b in ce_curves if b is not None), default=None)  # CE's steps tuned too: its lowest point
