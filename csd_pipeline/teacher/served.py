@@ -223,7 +223,7 @@ class ServedTeacher:
             raise ServedTeacherError(
                 f"teacher server {where} answered {method} {path} with HTTP {response.status_code} ({detail}); it "
                 "must take a token-id prompt with prompt_logprobs (vLLM: start it with --max-logprobs at least "
-                "--top-k), then re-run to resume.")
+                "--top-k and --max-model-len above the longest aligned row), then re-run to resume.")
         try:
             return response.json()
         except ValueError:
