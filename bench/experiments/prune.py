@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, store_args, train_config_args
+from bench.experiments.plan import arm_flags, experiment, is_ce_arm, store_args, train_config_args
 from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
 
 STUDENT = "smollm2-135m-instruct"
@@ -113,18 +113,21 @@ def table(merged: dict) -> str:
     results, scores = merged["results"], merged["reference_bits_per_byte"]
     before, unpruned = scores["before"], scores["unpruned"]
     order = list(experiment("prune").arms)
+    width = max([18, *(len(r["arm"]) for r in results)])
     lines = ["prune and heal: held-out bits per byte (English; spread = half of max - min over seeds)",
-             f"{'arm':<18} {'seeds':>5} {'bits/byte':>9} {'spread':>7} {'vs CE':>7} {'gap closed':>10}"]
-    lines += [f"{name:<18} {'':>5} {scores[name]:9.4f}" for name in ("before", "unpruned", "gemma3")]
+             f"{'arm':<{width}} {'seeds':>5} {'bits/byte':>9} {'spread':>7} {'vs CE':>7} {'gap closed':>10}"]
+    lines += [f"{name:<{width}} {'':>5} {scores[name]:9.4f}" for name in ("before", "unpruned", "gemma3")]
     runs: dict[str, list[float]] = {}
     for r in sorted(results, key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99):
         runs.setdefault(r["arm"], []).append(r["bits_per_byte"])
-    ce = sum(runs["ce"]) / len(runs["ce"]) if runs.get("ce") else None
+    ce_means = {arm: sum(values) / len(values) for arm, values in runs.items() if is_ce_arm(arm)}
+    ce_arm, ce = min(ce_means.items(), key=lambda item: item[1]) if ce_means else ("ce", None)
+    lines[0] += f"; vs CE = vs `{ce_arm}`, the CE arm with the lowest mean"
     for arm, values in runs.items():
         mean = sum(values) / len(values)
-        vs = f"{100 * (mean / ce - 1):+6.2f}%" if ce and arm != "ce" else ""
+        vs = f"{100 * (mean / ce - 1):+6.2f}%" if ce and arm != ce_arm else ""
         closed = 100 * (before - mean) / (before - unpruned)
-        lines.append(f"{arm:<18} {len(values):>5} {mean:9.4f} {(max(values) - min(values)) / 2:7.4f} {vs:>7} "
+        lines.append(f"{arm:<{width}} {len(values):>5} {mean:9.4f} {(max(values) - min(values)) / 2:7.4f} {vs:>7} "
                      f"{closed:9.1f}%")
     return "\n".join(lines)
 

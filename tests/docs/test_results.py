@@ -31,12 +31,15 @@ def test_each_experiment_has_its_page_and_results_md_links_it():
 
 
 def test_a_changed_json_or_a_hand_edited_table_is_caught(tmp_path):
+    from bench.experiments.plan import is_ce_arm
+
     pages = results.read_pages()
     folder = tmp_path / "results"
     shutil.copytree(results.RESULTS_DIR, folder)
     prune = json.loads((folder / "prune.json").read_text(encoding="utf-8"))
-    ce = next(r for r in prune["results"] if r["arm"] == "ce")
-    ce["bits_per_byte"] += 0.01
+    for record in prune["results"]:  # every CE arm: the summary shows the best of them
+        if is_ce_arm(record["arm"]):
+            record["bits_per_byte"] += 0.01
     (folder / "prune.json").write_text(json.dumps(prune), encoding="utf-8")
     assert results.stale(pages, results.blocks(folder)) == ["current", "prune"]
     text = pages["results/pretrained.md"]
