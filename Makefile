@@ -145,7 +145,7 @@ demo: fixtures
 
 # BENCH_CORPUS: a folder with the full corpus files (python-docs.txt, ...); default: the slices in tests/data.
 BENCH_CORPUS ?=
-bench: fixtures
+bench: fixtures vllm-venv
 	$(PY) -m bench.run_all $(if $(BENCH_CORPUS),--corpus $(BENCH_CORPUS))
 
 bench-quality: fixtures

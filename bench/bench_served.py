@@ -4,7 +4,7 @@ in-process teacher, on the same aligned windows of the same machine.
 Teacher: SmolLM2-135M-Instruct (the fixture), float32 on both sides, top-32. Windows: bench_teacher's six kinds of
 real text (2,000 characters each with --quick, else 16,000), aligned by the real align stage (1024-token windows).
 The server runs on `THREADS` CPU threads, as the in-process teacher does, and is started once (its start-up is
-reported, not counted). Measured alternately in one run: the in-process stage, then the served stage at each
+reported, not counted). Measured one after the other in one run: the in-process stage, then the served stage at each
 `--server-concurrency` of CONCURRENCY, each the whole stage (read, forward or requests, top-k, encode, write).
 Reported: positions/s of each, served / in-process, and the server's start-up seconds. The in-process stage's
 seconds include loading the model (as a user's run does); the served stage's do not include the server's start.
