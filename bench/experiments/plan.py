@@ -170,6 +170,13 @@ def is_ce_arm(name: str) -> bool:
     return name == "ce" or name.startswith("ce ")
 
 
+def best_ce_arm(means: dict[str, float]) -> tuple[str | None, float | None]:
+    """CE tuned: of the CE arms among `means` (arm -> its mean figure, lower is better), the one with the lowest
+    mean, and that mean; (None, None) when no CE arm ran."""
+    ce = {arm: mean for arm, mean in means.items() if is_ce_arm(arm)}
+    return min(ce.items(), key=lambda item: item[1]) if ce else (None, None)
+
+
 def pick_arms(exp: Experiment, text: str | None, default: list[str] | None = None) -> list[str]:
     """The arms named in `text` (comma-separated), or `default`, or every arm; raise `CsdError` naming the unknown."""
     known = exp.all_arm_names()

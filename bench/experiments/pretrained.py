@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench.experiments.plan import arm_flags, experiment, is_ce_arm, store_args, train_config_args
+from bench.experiments.plan import best_ce_arm as plan_best_ce_arm
 from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
 
 CORPUS = ROOT / "bench/corpus/multilingual"
@@ -151,8 +152,8 @@ def best_ce_arm(results: list[dict], regime: str) -> tuple[str, float | None]:
     for r in results:
         if r["regime"] == regime and is_ce_arm(r["arm"]):
             runs.setdefault(r["arm"], []).append(_non_english(r))
-    means = {arm: _mean(values) for arm, values in runs.items()}
-    return min(means.items(), key=lambda item: item[1]) if means else ("ce", None)
+    arm, mean = plan_best_ce_arm({arm: _mean(values) for arm, values in runs.items()})
+    return arm or "ce", mean
 
 
 def paired_vs_ce(results: list[dict], regime: str, arm: str, ce_arm: str = "ce") -> str:

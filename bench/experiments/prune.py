@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.plan import arm_flags, experiment, is_ce_arm, store_args, train_config_args
+from bench.experiments.plan import arm_flags, best_ce_arm, experiment, store_args, train_config_args
 from bench.experiments.runner import BIN, ROOT, WINDOW, Bench, bits_per_byte, fresh_run, main, read_jsonl, run
 
 STUDENT = "smollm2-135m-instruct"
@@ -120,8 +120,8 @@ def table(merged: dict) -> str:
     runs: dict[str, list[float]] = {}
     for r in sorted(results, key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99):
         runs.setdefault(r["arm"], []).append(r["bits_per_byte"])
-    ce_means = {arm: sum(values) / len(values) for arm, values in runs.items() if is_ce_arm(arm)}
-    ce_arm, ce = min(ce_means.items(), key=lambda item: item[1]) if ce_means else ("ce", None)
+    ce_arm, ce = best_ce_arm({arm: sum(values) / len(values) for arm, values in runs.items()})
+    ce_arm = ce_arm or "ce"
     lines[0] += f"; vs CE = vs `{ce_arm}`, the CE arm with the lowest mean"
     for arm, values in runs.items():
         mean = sum(values) / len(values)

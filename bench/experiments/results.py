@@ -64,7 +64,7 @@ def _score(name: str, record: dict) -> float:
 def current(results: dict[str, dict]) -> str:
     """The opening summary: per experiment and regime, CE at its best-tuned arm (`ce`, `ce lr...`: the lowest mean)
     and the best other arm (lowest mean over its seeds)."""
-    from bench.experiments.plan import is_ce_arm
+    from bench.experiments.plan import best_ce_arm, is_ce_arm
 
     lines = ["| experiment | regime | CE | best arm | its bits/byte | vs CE | seeds | runs | results |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -76,10 +76,8 @@ def current(results: dict[str, dict]) -> str:
                 if r.get("regime", merged.get("regime")) == regime:
                     runs.setdefault(r["arm"], []).append(_score(name, r))
             means = {arm: _mean(values) for arm, values in runs.items()}
-            is_ce = [arm for arm in means if is_ce_arm(arm)]  # CE's tuned arms: its best
-            ce_arm = min(is_ce, key=means.get) if is_ce else None
-            best = min((arm for arm in means if arm not in is_ce), key=means.get)
-            ce = means.get(ce_arm)
+            ce_arm, ce = best_ce_arm(means)  # CE's tuned arms: its best
+            best = min((arm for arm in means if not is_ce_arm(arm)), key=means.get)
             versus = f"{100 * (means[best] / ce - 1):+.2f}%" if ce else ""
             figure = "non-English mean" if name == "pretrained" else "held-out bits/byte"
             ce_cell = f"{ce:.4f}" + (f" (`{ce_arm}`)" if ce_arm != "ce" else "")

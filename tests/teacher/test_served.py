@@ -146,20 +146,17 @@ def answer_from(model_dir):
 
 
 @pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
-@pytest.mark.parametrize("options", [{"min_p": 0.05}])
-def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, tmp_path, monkeypatch, options):  # noqa: F811
+def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, tmp_path, monkeypatch):  # noqa: F811
+    """With --min-p (a selector cutting each position's entries): the values themselves are checked against the
+    real server in test_served_vllm.py."""
     from csd_pipeline import read_teacher_topk
     from csd_pipeline.teacher.served import ServedTeacher
     from csd_pipeline.teacher.stage import TeacherLogitsConfig, run_teacher_logits
     from csd_pipeline.teacher.store.reader import TeacherTopkOutput
     from tests.teacher.test_stage import K as TINY_K
-    from tests.teacher.test_stage import (
-        aligned_rows,
-        check_row_against_reference,
-        float64_reference,
-        run_stage,
-    )
+    from tests.teacher.test_stage import aligned_rows, run_stage
 
+    options = {"min_p": 0.05}
     monkeypatch.setattr(ServedTeacher, "_call", answer_from(tiny_teacher))
     served, local = tmp_path / "served", tmp_path / "local"
     config = TeacherLogitsConfig(aligned=str(aligned), output=str(served), teacher_server="http://127.0.0.1:1",
@@ -168,10 +165,8 @@ def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, 
     assert run_stage(aligned, tiny_teacher, local, **options).complete
     rows, expected = list(read_teacher_topk(served)), aligned_rows(aligned)
     assert [r.row_id for r in rows] == [row_id for _, row_id, _ in expected] == [r.row_id for r in read_teacher_topk(local)]
-    for row, local_row, (_, _, ids) in zip(rows, read_teacher_topk(local), expected):
+    for row, local_row in zip(rows, read_teacher_topk(local)):
         assert row.ok and list(row.lengths) == list(local_row.lengths)
-        if not options:
-            check_row_against_reference(row, ids, float64_reference(tiny_teacher, ids), TINY_K)
     served_out, local_out = TeacherTopkOutput.open(served), TeacherTopkOutput.open(local)
     assert [s["file"] for s in served_out.manifest["shards"]] == [s["file"] for s in local_out.manifest["shards"]]
     assert served_out.selectors().names == local_out.selectors().names
