@@ -238,11 +238,14 @@ class ServedTeacher:
             raise ServedTeacherError(f"teacher server {self.url} serves {', '.join(map(str, names)) or 'no model'}, "
                                      f"not --teacher-model {self.model}; pass one of those names.")
 
-    def _row(self, row: np.ndarray) -> TeacherTopkRow:
+    def request(self, row: np.ndarray) -> dict:
+        """The completions request of one row: its exact ids plus one (module docstring), K prompt log-probs."""
         prompt = [int(i) for i in row] + [int(row[-1])]
-        body = {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+        return {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": self.top_k}
-        answer = self._call("POST", COMPLETIONS_PATH, body)
+
+    def _row(self, row: np.ndarray) -> TeacherTopkRow:
+        answer = self._call("POST", COMPLETIONS_PATH, self.request(row))
         ids, logprobs, observed = prompt_entries(answer, row, self.top_k, self.vocab_limit, self.url)
         next_ids = np.append(np.asarray(row[1:], dtype=np.int64), -1)
         entries = Entries(ids, logprobs, np.full(len(row), self.top_k, np.int64), observed, next_ids)

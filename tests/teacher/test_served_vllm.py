@@ -118,14 +118,13 @@ def test_the_vllm_store_equals_the_in_process_teachers(aligned, served_output, t
 def test_the_servers_answers_are_float32_close_to_a_float64_forward(aligned, server, teacher_dir):  # noqa: F811
     """The answers before the store's codec: every returned log-probability within SERVED_TOLERANCE of the float64
     reference (the whole difference is float32 arithmetic; the weights are the same file)."""
-    from csd_pipeline.teacher.served import ServedTeacher, prompt_entries
+    from csd_pipeline.teacher.served import COMPLETIONS_PATH, ServedTeacher, prompt_entries
     from tests.teacher.test_stage import VOCAB, aligned_rows
 
     teacher = ServedTeacher(server[0], NAME, top_k=K, vocab_limit=VOCAB, selectors=(), concurrency=1, timeout=60)
     worst = 0.0
     for index, (_, _, ids) in enumerate(aligned_rows(aligned)[:REFERENCE_ROWS]):
-        answer = teacher._call("POST", "/v1/completions", {"model": NAME, "prompt": [*map(int, ids), int(ids[-1])],
-                                                           "max_tokens": 1, "temperature": 0, "prompt_logprobs": K})
+        answer = teacher._call("POST", COMPLETIONS_PATH, teacher.request(ids))
         top, values, observed = prompt_entries(answer, ids, K, VOCAB, server[0])
         exact = reference(teacher_dir, index, ids)
         worst = max(worst, float(np.abs(values - np.take_along_axis(exact, top.astype(np.int64), 1)).max()),
