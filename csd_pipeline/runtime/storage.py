@@ -298,16 +298,28 @@ def open_input(path):
 
 def local_file(path) -> Path:
     """A local file with the bytes of `path`: the file itself on a local disk; for an object (a small
-    one: a table, a tokenizer file) a copy downloaded once per process into a temporary folder."""
+    one: a table, a tokenizer file) a copy in the download cache (`--cache-dir`, else a temporary folder),
+    named by the object's URL, size and ETag: made once per version of the object, shared by processes."""
+    from csd_pipeline.runtime.files import tmp_path
+
     path = location(path)
     if not is_remote(path):
         return path
-    key = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    target = Path(tempfile.gettempdir()) / "csd-pipeline-downloads" / f"{os.getpid()}-{key}{path.suffix}"
+    info = path.fs.info(path.path)
+    version = info.get("ETag") or info.get("etag") or info.get("mtime") or f"process {os.getpid()}"
+    key = hashlib.sha256(f"{path}|{info.get('size')}|{version}".encode()).hexdigest()[:24]
+    target = _download_root() / "files" / f"{key}{path.suffix}"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
-        path.fs.get_file(path.path, str(target))
+        building = tmp_path(target)
+        path.fs.get_file(path.path, str(building))
+        os.replace(building, target)
     return target
+
+
+def _download_root() -> Path:
+    """Where object-store downloads are kept: `--cache-dir` when given, else one temporary folder."""
+    return Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "csd-pipeline-downloads")
 
 
 def model_copy(folder) -> Path:
@@ -324,7 +336,7 @@ def model_copy(folder) -> Path:
                for info in folder.fs.find(folder.path, detail=True).values() if info["name"].startswith(base)}
     if not listing:
         raise CsdError(f"{redact(str(folder))} holds no files; pass a model folder that exists.")
-    root = Path(os.environ.get(CACHE_ENV) or Path(tempfile.gettempdir()) / "csd-pipeline-downloads") / "models"
+    root = _download_root() / "models"
     local = root / hashlib.sha256(str(folder).encode()).hexdigest()[:16]
     stamp = local.with_name(local.name + ".listing.json")
     if local.is_dir() and stamp.is_file() and json.loads(stamp.read_text()) == listing:

@@ -64,6 +64,31 @@ def test_a_stage_on_s3_removes_what_a_killed_writer_of_this_host_was_staging(tmp
     assert not killed.exists() and live.read_bytes() == b"being written"
 
 
+def test_an_object_is_downloaded_once_per_version_whichever_process_reads_it(tmp_path, s3_server, bucket,
+                                                                             monkeypatch):
+    """`local_file` keeps one copy per version of an object (URL, size, ETag), shared by processes: a process
+    that reads a table again finds it; a rewritten object is a new copy. Copies named by process id filled a
+    CI machine's disk (2.1 GB of one table, once per test process)."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv(storage.CACHE_ENV, str(tmp_path / "cache"))
+    client, name = s3_server.client(), bucket[len("s3://"):]
+    client.put_object(Bucket=name, Key="tables/t.safetensors", Body=b"first version")
+    url = f"{bucket}/tables/t.safetensors"
+    first = storage.local_file(url)
+    assert first.read_bytes() == b"first version" and storage.local_file(url) == first
+    other = subprocess.run([sys.executable, "-c", "import sys; from csd_pipeline.runtime import storage; "
+                            "print(storage.local_file(sys.argv[1]))", url], capture_output=True, text=True)
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.strip() == str(first)
+    client.put_object(Bucket=name, Key="tables/t.safetensors", Body=b"second, longer version")
+    storage.location(url).fs.invalidate_cache()
+    second = storage.local_file(url)
+    assert second != first and second.read_bytes() == b"second, longer version"
+    assert sorted(p.name for p in (tmp_path / "cache" / "files").iterdir()) == sorted([first.name, second.name])
+
+
 def test_a_local_path_stays_a_path_and_bad_options_are_one_line(tmp_path):
     from pathlib import Path
 
