@@ -230,6 +230,8 @@ class CheckpointConfig:
     output: str | None = option(None, "output directory (checkpoints, metrics, export)")
     save_every: int = option(500, "checkpoint every N steps (0: only at the end)")
     save_total_limit: int = option(2, "how many checkpoints to leave on disk: the latest N")
+    save_final: bool = option(True, "checkpoint after the last step (--no-save-final: the export only, a run that "
+                                    "cannot be resumed or extended; a --stop-at-step stop still checkpoints)")
     resume: bool = option(False, "continue from the latest complete checkpoint in --output")
     export_every: int = option(0, "also write the HF export every N steps (0: only at the end)")
     stop_at_step: int = option(0, "stop cleanly after this step, as if interrupted (0: run --steps)")

@@ -182,7 +182,8 @@ def _save(config: TrainConfig, ctx, step: int, final: bool, wrapper, optimizer, 
     (`batch`: the step's last micro-batch, its loader state and the export check's real batch). True when a
     checkpoint was written."""
     options = config.checkpoints
-    saved = bool((options.save_every and step % options.save_every == 0) or final)
+    skip_final = final and step == config.optimizer.steps and not options.save_final
+    saved = bool((options.save_every and step % options.save_every == 0) or final) and not skip_final
     if saved:
         checkpoint.save_checkpoint(
             options.output, step, wrapper, optimizer, {"scheduler": scheduler.state_dict(), "counters": counters},

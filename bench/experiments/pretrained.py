@@ -119,7 +119,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     recipe = exp.arms_of(regime)[arm]
     started = time.perf_counter()
     run([BIN / "csd-train", *train_config_args(exp, recipe), "--aligned", dirs["aligned"], "--teacher-logits",
-         dirs["teacher"], "--student", STUDENT, "--output", target, "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
+         dirs["teacher"], "--student", STUDENT, "--output", target, "--no-save-final", "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
          "--eval-every", max(steps // 4, 1), "--warmup-steps", min(WARMUP, steps // 4)], log, threads)
     seconds = time.perf_counter() - started
     tail = read_jsonl(target / "metrics.jsonl")[-10:]

@@ -98,7 +98,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     teacher_args = ["--teacher-logits", dirs[f"teacher-{teacher}"]] if teacher else []
     started = time.perf_counter()
     run([BIN / "csd-train", *train_config_args(exp, recipe), "--aligned", dirs[f"aligned-{source}"], *teacher_args,
-         "--student", dirs["student"], "--output", target, "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout-smollm2"],
+         "--student", dirs["student"], "--output", target, "--no-save-final", "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout-smollm2"],
          "--eval-every", max(steps // 4, 1), "--warmup-steps", min(WARMUP, steps // 4)], log, threads)
     seconds = time.perf_counter() - started
     tail = read_jsonl(target / "metrics.jsonl")[-10:]

@@ -108,7 +108,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     log = fresh_run(target, log, threads)
     started = time.perf_counter()
     run([BIN / "csd-train", *train_config_args(EXP, ARMS[arm]), "--aligned", dirs["aligned"], "--teacher-logits", teacher,
-         "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target,
+         "--student-config", "demo/student-config.json", "--student-tokenizer", "llama-spm", "--output", target, "--no-save-final",
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"], "--eval-every", max(steps // EVAL_POINTS, 1),
          "--warmup-steps", min(WARMUP_STEPS, steps // 4)], log, threads)
     evals = read_jsonl(target / "eval.jsonl")

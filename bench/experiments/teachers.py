@@ -136,7 +136,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     points = spec.get("eval_points", EVAL_POINTS)
     eval_every = max(steps // points, 1) if steps >= 4 * points else steps  # a smoke run: at the end only
     started = time.perf_counter()
-    run([BIN / "csd-train", *train_config_args(exp, recipe), "--aligned", dirs["aligned"], *teachers, *_student_args(regime), "--output", target,
+    run([BIN / "csd-train", *train_config_args(exp, recipe), "--aligned", dirs["aligned"], *teachers, *_student_args(regime), "--output", target, "--no-save-final",
          "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
          "--eval-every", eval_every, "--warmup-steps", warmup], log, threads)
     seconds = time.perf_counter() - started

@@ -213,7 +213,8 @@ def test_csd_train_exports_a_pretrained_student_with_its_chat_template_file(smol
     output = tmp_path / "run"
     train(parse_args(["--aligned", str(tmp_path / "aligned"), "--student", str(student), "--output", str(output),
                       "--loss", "ce", "--steps", "1", "--seq-len", "64", "--batch-size", "1", "--lr", "1e-5",
-                      "--warmup-steps", "0", "--save-every", "0", "--workers", "0", "--no-progress"]))
+                      "--warmup-steps", "0", "--save-every", "0", "--no-save-final", "--workers", "0",
+                      "--no-progress"]))
     from transformers import AutoModelForCausalLM
 
     from trainer.export import TOKENIZER_FILES
@@ -224,6 +225,7 @@ def test_csd_train_exports_a_pretrained_student_with_its_chat_template_file(smol
     for name in carried:
         assert (export / name).read_bytes() == (student / name).read_bytes(), name
     assert not [p.name for p in output.iterdir() if p.name.endswith(".tmp") or p.name == "export.failed"]
+    assert not list((output / "checkpoints").glob("step-*"))  # --no-save-final: the export only
     assert_same_tokenizer(export, student)
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert model.config.use_cache and model.generation_config.eos_token_id == 2
