@@ -57,11 +57,20 @@ def require_lm_eval():
 
 
 def task_manager(include_paths: list[str], with_registry: bool = True):
-    """An lm-eval TaskManager over the project's tasks, `include_paths` and (with_registry) the harness's own."""
+    """An lm-eval TaskManager over the project's tasks, `include_paths` and (with_registry) the harness's own.
+    Indexing the harness's registry takes seconds, so a process keeps one manager per set of task folders and
+    their files' contents (`task_files_sha256`): csd-train scoring tasks at several steps indexes once."""
     require_lm_eval()
-    from lm_eval.tasks import TaskManager
+    key = (tuple(map(str, include_paths)), with_registry, task_files_sha256(list(include_paths)))
+    if key not in _MANAGERS:
+        from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=[str(PROJECT_TASKS_DIR), *map(str, include_paths)], include_defaults=with_registry)
+        _MANAGERS[key] = TaskManager(include_path=[str(PROJECT_TASKS_DIR), *map(str, include_paths)],
+                                     include_defaults=with_registry)
+    return _MANAGERS[key]
+
+
+_MANAGERS: dict[tuple, object] = {}
 
 
 def list_tasks(include_paths: list[str]) -> list[str]:
