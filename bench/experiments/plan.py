@@ -170,11 +170,24 @@ def is_ce_arm(name: str) -> bool:
     return name == "ce" or name.startswith("ce ")
 
 
-def best_ce_arm(means: dict[str, float]) -> tuple[str | None, float | None]:
-    """CE tuned: of the CE arms among `means` (arm -> its mean figure, lower is better), the one with the lowest
-    mean, and that mean; (None, None) when no CE arm ran."""
-    ce = {arm: mean for arm, mean in means.items() if is_ce_arm(arm)}
-    return min(ce.items(), key=lambda item: item[1]) if ce else (None, None)
+def best_ce_arm(runs: dict[str, dict[int, float]]) -> tuple[str | None, float | None]:
+    """CE tuned: of the CE arms among `runs` (arm -> seed -> figure, lower is better), the one that beats the most
+    other CE arms, two arms compared on the seeds both ran (on their whole means where they share none), so that an
+    arm run on one easy seed does not win on that seed alone; ties go to more seeds, then the lower mean. Returns
+    that arm and its mean over its seeds; (None, None) when no CE arm ran."""
+    ce = {arm: seeds for arm, seeds in runs.items() if is_ce_arm(arm) and seeds}
+    if not ce:
+        return None, None
+
+    def mean(arm: str, seeds) -> float:
+        return sum(ce[arm][seed] for seed in seeds) / len(seeds)
+
+    def beats(a: str, b: str) -> bool:
+        common = sorted(ce[a].keys() & ce[b].keys())
+        return mean(a, common or list(ce[a])) < mean(b, common or list(ce[b]))
+
+    best = min(ce, key=lambda a: (-sum(beats(a, b) for b in ce if b != a), -len(ce[a]), mean(a, list(ce[a]))))
+    return best, mean(best, list(ce[best]))
 
 
 def pick_arms(exp: Experiment, text: str | None, default: list[str] | None = None) -> list[str]:

@@ -146,13 +146,13 @@ def _non_english(record: dict) -> float:
 
 
 def best_ce_arm(results: list[dict], regime: str) -> tuple[str, float | None]:
-    """CE tuned: of the CE arms of `regime` (`ce`, `ce lr...`), the one with the lowest mean non-English figure,
-    and that mean (("ce", None) when no CE arm ran)."""
-    runs: dict[str, list[float]] = {}
+    """CE tuned: of the CE arms of `regime` (`ce`, `ce lr...`), the best by non-English figure (`plan.best_ce_arm`:
+    compared on shared seeds), and its mean (("ce", None) when no CE arm ran)."""
+    runs: dict[str, dict[int, float]] = {}
     for r in results:
         if r["regime"] == regime and is_ce_arm(r["arm"]):
-            runs.setdefault(r["arm"], []).append(_non_english(r))
-    arm, mean = plan_best_ce_arm({arm: _mean(values) for arm, values in runs.items()})
+            runs.setdefault(r["arm"], {})[r["seed"]] = _non_english(r)
+    arm, mean = plan_best_ce_arm(runs)
     return arm or "ce", mean
 
 

@@ -62,7 +62,7 @@ def _score(name: str, record: dict) -> float:
 
 
 def current(results: dict[str, dict]) -> str:
-    """The opening summary: per experiment and regime, CE at its best-tuned arm (`ce`, `ce lr...`: the lowest mean)
+    """The opening summary: per experiment and regime, CE at its best-tuned arm (`ce`, `ce lr...`: plan.best_ce_arm)
     and the best other arm (lowest mean over its seeds)."""
     from bench.experiments.plan import best_ce_arm, is_ce_arm
 
@@ -72,11 +72,13 @@ def current(results: dict[str, dict]) -> str:
         regimes = dict.fromkeys(r.get("regime", merged.get("regime")) for r in merged["results"])
         for regime in regimes:
             runs: dict[str, list[float]] = {}
+            by_seed: dict[str, dict[int, float]] = {}
             for r in merged["results"]:
                 if r.get("regime", merged.get("regime")) == regime:
                     runs.setdefault(r["arm"], []).append(_score(name, r))
+                    by_seed.setdefault(r["arm"], {})[r["seed"]] = _score(name, r)
             means = {arm: _mean(values) for arm, values in runs.items()}
-            ce_arm, ce = best_ce_arm(means)  # CE's tuned arms: its best
+            ce_arm, ce = best_ce_arm(by_seed)  # CE's tuned arms: its best, compared on shared seeds
             best = min((arm for arm in means if not is_ce_arm(arm)), key=means.get)
             versus = f"{100 * (means[best] / ce - 1):+.2f}%" if ce else ""
             figure = "non-English mean" if name == "pretrained" else "held-out bits/byte"

@@ -107,3 +107,16 @@ def test_a_failed_command_names_its_own_error_line(tmp_path):
     with pytest.raises(RuntimeError) as failed:
         run([sys.executable, "-c", script], log)
     assert str(failed.value).startswith("failed (2): ") and str(failed.value).endswith("\nerror: --lr: 2 is too large")
+
+
+def test_ces_best_arm_is_compared_with_the_others_on_shared_seeds():
+    """An arm run once, on the easiest seed, does not beat an arm that is better on that very seed (prune, 2026-12-04:
+    `ce lr8e-4` had only seed 1, 2.0894, and was picked over `ce lr4e-4`: 2.0824 on seed 1, 2.0955 over three)."""
+    from bench.experiments.plan import best_ce_arm
+
+    runs = {"ce": {0: 2.33, 1: 2.30, 2: 2.33}, "ce lr4e-4": {0: 2.1006, 1: 2.0824, 2: 2.1035},
+            "ce lr8e-4": {1: 2.0894}, "ce lr5e-5": {0: 2.5377}, "csd gemma3": {0: 1.9, 1: 1.9}}
+    arm, mean = best_ce_arm(runs)
+    assert arm == "ce lr4e-4" and abs(mean - (2.1006 + 2.0824 + 2.1035) / 3) < 1e-12
+    assert best_ce_arm({"ce lr8e-4": {1: 2.0894}, "ce": {0: 2.5}}) == ("ce lr8e-4", 2.0894)  # no shared seed: means
+    assert best_ce_arm({"csd": {0: 1.0}}) == (None, None)
