@@ -54,11 +54,11 @@ def exit_on_error(main, *, rerun: str, interrupted: str):
         sys.exit(130)
     except OSError as err:  # disk full, read-only output, ... that no stage turned into a CsdError
         from csd_pipeline.runtime.io_errors import io_error_message
-        from csd_pipeline.runtime.storage import describe_error
+        from csd_pipeline.runtime.storage_errors import describe_error
 
         fail(describe_error(err) or io_error_message(err, rerun))
     except Exception as err:  # an object store's client error (botocore, aiohttp): one line naming the URL
-        from csd_pipeline.runtime.storage import describe_error
+        from csd_pipeline.runtime.storage_errors import describe_error
 
         if describe_error(err) is None:
             raise

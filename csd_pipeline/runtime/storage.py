@@ -15,7 +15,7 @@ file (a record, the manifest) is one PUT (`write_bytes`), which an object store 
 Credentials are the libraries' own (the `AWS_*` variables, `AWS_ENDPOINT_URL`, `~/.aws`, gcloud's),
 plus `--storage-options JSON` (`configure`): keyword arguments of the fsspec file system, kept in the
 environment of this process and its workers, never in a manifest, log line or error message.
-`describe_error` turns a failed object-store call into one line naming the URL.
+`storage_errors.describe_error` turns a failed object-store call into one line naming the URL.
 """
 
 from __future__ import annotations
@@ -179,6 +179,8 @@ def _check_store(path, url: str) -> None:
     except TypeError as err:  # the client is made at the first request: an option it does not take
         raise _refused_options(url, err) from None
     except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise many types
+        from csd_pipeline.runtime.storage_errors import describe_error
+
         message = describe_error(err, url)
         if message is None:
             raise
@@ -200,6 +202,11 @@ def _refused_options(url: str, err: TypeError):
     what = f"it takes no option {name.group(1)!r}" if name else "an option it does not take"
     return CsdError(f"the file system of {redact(url)} refused --storage-options ({what}); pass only options it "
                     "documents (s3fs: endpoint_url, key, secret, client_kwargs, ...).")
+
+
+def given_roots() -> list[str]:
+    """The URLs this process was given (`location`), oldest first: an error line names one of them."""
+    return list(_roots)
 
 
 def redact(url: str) -> str:
@@ -280,6 +287,8 @@ def check_writable(out) -> None:
     except CsdError:
         raise
     except Exception as err:  # noqa: BLE001 - botocore, aiohttp and fsspec raise many types
+        from csd_pipeline.runtime.storage_errors import describe_error
+
         message = describe_error(err, str(out))
         if message is None:
             raise
@@ -396,64 +405,3 @@ def cached_copy(path, sha256: str, cache_dir) -> Path:
             raise CsdError(f"{redact(str(path))} does not have the sha256 its manifest records; re-run the stage "
                            "that wrote it (its bytes changed after the manifest was written).")
     return target
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors
-
-
-def _kind(err: BaseException) -> str | None:
-    name, text = type(err).__name__, str(err)
-    chain = [err, err.__cause__, err.__context__]
-    names = " ".join(type(e).__name__ for e in chain if e is not None)
-    if "EndpointConnectionError" in names or "ClientConnectorError" in names or "Could not connect" in text:
-        return "endpoint"
-    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return "bucket"
-    if (isinstance(err, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text
-            or "SignatureDoesNotMatch" in text or "Forbidden" in text or "NoCredentialsError" in names):
-        return "denied"
-    if isinstance(err, FileNotFoundError) or name == "NoSuchKey":
-        return "missing"
-    return None
-
-
-_ADVICE = {
-    "endpoint": ("the object store cannot be reached", "check AWS_ENDPOINT_URL (or endpoint_url in "
-                 "--storage-options) and that the server is up"),
-    "bucket": ("its bucket does not exist", "create the bucket or fix the URL"),
-    "denied": ("access was denied", "check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-               "~/.aws, or --storage-options) and the bucket's policy"),
-    "gs-endpoint": ("the object store cannot be reached", "check endpoint_url in --storage-options (or "
-                    "STORAGE_EMULATOR_HOST) and the network"),
-    "gs-denied": ("access was denied", "check the credentials (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth "
-                  "application-default login`, or token in --storage-options) and the bucket's IAM policy"),
-    "missing": ("an object it lists is missing", "it was deleted after its stage wrote it: re-run that stage into a "
-                "new --output, or restore the object"),
-}
-
-
-def describe_error(err: BaseException, url: str | None = None) -> str | None:
-    """One line for an object-store failure, naming the URL (never a credential) and what to do; None
-    when `err` is not one (or no URL was in play)."""
-    kind = _kind(err)
-    where = _failed_url(err) or url or (_roots[-1] if _roots else None)
-    if kind is None or where is None or not (_roots or is_url(where)):
-        return None
-    google = re.match(r"(gs|gcs)://", redact(where)) and f"gs-{kind}" in _ADVICE
-    reason, advice = _ADVICE[f"gs-{kind}" if google else kind]
-    return f"object storage failed at {redact(where)} ({reason}); {advice}, then re-run the same command."
-
-
-def _failed_url(err: BaseException) -> str | None:
-    """The object `err` names, when it lies under a URL this process was given (an API path such as gcsfs's
-    `.../b/BUCKET/o/KEY` is not one: the URL given is named instead)."""
-    text = str(err)
-    for root in _roots:
-        protocol = root.split("://", 1)[0]
-        bucket = root.split("://", 1)[1].split("/", 1)[0]
-        for match in re.finditer(re.escape(bucket) + r"[^\s'\"]*", text):
-            found = f"{protocol}://{match.group(0)}"
-            if any(redact(found).startswith(redact(r).rstrip("/")) for r in _roots):
-                return found
-    return None
