@@ -117,11 +117,10 @@ def table(merged: dict) -> str:
     lines = ["prune and heal: held-out bits per byte (English; spread = half of max - min over seeds)",
              f"{'arm':<{width}} {'seeds':>5} {'bits/byte':>9} {'spread':>7} {'vs CE':>7} {'gap closed':>10}"]
     lines += [f"{name:<{width}} {'':>5} {scores[name]:9.4f}" for name in ("before", "unpruned", "gemma3")]
-    runs: dict[str, list[float]] = {}
     by_seed: dict[str, dict[int, float]] = {}
     for r in sorted(results, key=lambda r: order.index(r["arm"]) if r["arm"] in order else 99):
-        runs.setdefault(r["arm"], []).append(r["bits_per_byte"])
         by_seed.setdefault(r["arm"], {})[r["seed"]] = r["bits_per_byte"]
+    runs = {arm: list(seeds.values()) for arm, seeds in by_seed.items()}
     ce_arm, ce = best_ce_arm(by_seed)
     ce_arm = ce_arm or "ce"
     lines[0] += f"; vs CE = vs `{ce_arm}`, CE's best arm (compared with the others on shared seeds)"

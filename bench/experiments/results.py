@@ -71,14 +71,12 @@ def current(results: dict[str, dict]) -> str:
     for name, merged in results.items():
         regimes = dict.fromkeys(r.get("regime", merged.get("regime")) for r in merged["results"])
         for regime in regimes:
-            runs: dict[str, list[float]] = {}
-            by_seed: dict[str, dict[int, float]] = {}
+            runs: dict[str, dict[int, float]] = {}  # arm -> seed -> figure
             for r in merged["results"]:
                 if r.get("regime", merged.get("regime")) == regime:
-                    runs.setdefault(r["arm"], []).append(_score(name, r))
-                    by_seed.setdefault(r["arm"], {})[r["seed"]] = _score(name, r)
-            means = {arm: _mean(values) for arm, values in runs.items()}
-            ce_arm, ce = best_ce_arm(by_seed)  # CE's tuned arms: its best, compared on shared seeds
+                    runs.setdefault(r["arm"], {})[r["seed"]] = _score(name, r)
+            means = {arm: _mean(seeds.values()) for arm, seeds in runs.items()}
+            ce_arm, ce = best_ce_arm(runs)  # CE's tuned arms: its best, compared on shared seeds
             best = min((arm for arm in means if not is_ce_arm(arm)), key=means.get)
             versus = f"{100 * (means[best] / ce - 1):+.2f}%" if ce else ""
             figure = "non-English mean" if name == "pretrained" else "held-out bits/byte"
