@@ -130,12 +130,17 @@ def plan(commands: list[Command], durations: list[float], kills: int, rng: rando
     # each command's kills in the order drawn, a manifest kill last (after it the command has little left),
     # but never a recovery first (it needs a killed run to recover from: the manifest kill then goes first)
     ordered = sorted(planned, key=lambda k: (k.command, k.hook == "manifest_written"))
-    for index in range(len(commands)):
-        mine = [i for i, k in enumerate(ordered) if k.command == index]
-        lead = next((i for i in mine if ordered[i].trigger != "recovery"), None)
-        if mine and ordered[mine[0]].trigger == "recovery" and lead is not None:
-            ordered.insert(mine[0], ordered.pop(lead))
-    return ordered
+    return [kill for index in range(len(commands)) for kill in _recovery_not_first(
+        [k for k in ordered if k.command == index])]
+
+
+def _recovery_not_first(kills: list[Kill]) -> list[Kill]:
+    """`kills` in their order, but the first kill that is not a recovery goes first when a recovery would: a recovery
+    needs a killed run to recover from (at the head of a command's queue it would become a `time` kill)."""
+    lead = next((i for i, k in enumerate(kills) if k.trigger != "recovery"), None)
+    if not kills or kills[0].trigger != "recovery" or lead is None:
+        return kills
+    return [kills[lead], *kills[:lead], *kills[lead + 1:]]
 
 
 def _ensure_each_phase(planned: list[Kill], commands: list[Command]) -> None:
@@ -345,8 +350,9 @@ def soak(commands: list[Command], planned: list[Kill], durations, firsts, option
     for lap in range(1, options.max_laps + 1):
         carried = []
         for index, command in enumerate(commands):
-            carried = _deliver(command, index, lap, carried + queues[index], durations, firsts, last_finished,
-                               options, log_file, outcomes)
+            # a command that finished before its kill passes the rest on; a recovery among them still follows a kill
+            carried = _deliver(command, index, lap, _recovery_not_first(carried + queues[index]), durations, firsts,
+                               last_finished, options, log_file, outcomes)
         if not carried:
             return outcomes, 0
         queues = [carried[index::len(commands)] for index in range(len(commands))]

@@ -76,3 +76,19 @@ def test_kills_left_after_the_last_command_go_round_again(tmp_path):
             [(2, "first", "rerun", True)] * 3 + [(2, "second", "rerun", True)] * 2
         options.max_laps = 1
         assert soak.soak(commands, planned, [0.3, 60.0], [0.1, 0.1], options, log_file) == ([], 5)
+
+
+def test_a_recovery_kill_passed_on_by_a_command_that_finished_first_still_follows_a_kill(tmp_path):
+    """The first command finishes before its `time` kill, so its recovery kill passes to the second command ahead of
+    that command's own kill: the second is killed first (by the passed-on `time` kill), and the recovery falls in its
+    re-run (a fresh clone's slow
+    reference run once made the soak test's recovery kill a `time` kill this way)."""
+    from bench import soak
+
+    nap = [sys.executable, "-c", "import time; time.sleep(0.3)"]
+    commands = [soak.Command(name, nap, tmp_path / name, "tables") for name in ("first", "second")]
+    options = SimpleNamespace(attempt_timeout=60, orphan_bound=5, max_laps=1, engine="local")
+    planned = [soak.Kill(0, "time", 0.9), soak.Kill(0, "recovery", 0.5), soak.Kill(1, "time", 0.5)]
+    with open(tmp_path / "soak.log", "w") as log_file:
+        outcomes, undelivered = soak.soak(commands, planned, [60.0, 0.3], [0.1, 0.1], options, log_file)
+    assert [(o.command, o.trigger) for o in outcomes] == [("second", "time"), ("second", "recovery"), ("second", "time")]
