@@ -144,6 +144,7 @@ def multilingual_base(out: Path) -> Path:
     target = ROOT / "out/bench-pretrained/runs" / BASE_REGIME / f"{BASE_ARM.replace(' ', '_')}-seed{BASE_SEED}"
     if not (target / "export" / "config.json").is_file():
         dirs = _heldout_dirs()
+        out.mkdir(parents=True, exist_ok=True)  # base.log goes there before anything else is written
         pretrained.train_arm(BASE_REGIME, BASE_ARM, BASE_SEED, dirs, ROOT / "out/bench-pretrained",
                              pretrained.REGIMES[BASE_REGIME]["steps"], out / "base.log")
     return target / "export"
