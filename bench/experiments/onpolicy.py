@@ -22,7 +22,8 @@ Reported per arm (and the base) on held-out prompts, samples at temperature 1: t
 byte of the student's completions (teacher forward on prompt + completion, completion tokens only),
 distinct word 2-grams / all 2-grams of the samples, and held-out bits per byte of the student on the
 reference text (demo/corpus/devil-heldout.jsonl). Teacher tokens scored by teacher-logits are reported
-per arm.
+per arm, and the student's own bits per byte of its samples (`own_bits_per_byte_of_samples`: drawn at temperature 1,
+their expected value is the student's entropy per byte on its own text).
 
 Divergence (`--divergence`, both arms): `kl` by default (the demo's); `reverse_kl` is the usual
 on-policy choice (its teacher REST is floored, docs/TRAINING.md). Each run's skipped steps (a non-finite
@@ -158,16 +159,30 @@ def evaluate(model: Path, heldout_prompts: list[Path], out: Path, root: Path, ar
         shards = [samples / shard["file"] for shard in read_manifest(samples, stage="generate")["shards"]]
         records = [json.loads(line) for shard in shards for line in shard.open(encoding="utf-8")]
         nats, n_bytes = teacher_nats(teacher, records)
+        own = own_bits_per_byte(model, records)
         words = [units(r["completion"]) for r in records]
         pairs = [tuple(w[i:i + 2]) for w in words for i in range(len(w) - 1)]
         return {"teacher_bits_per_byte_of_samples": nats / max(n_bytes, 1) / math.log(2),
+                "own_bits_per_byte_of_samples": own,
                 "distinct_2grams": len(set(pairs)) / max(len(pairs), 1), "sample_bytes": n_bytes,
                 **(multilingual_heldout(model) if args.setting == "multilingual"
                    else {"heldout_bits_per_byte": reference_bits_per_byte(model, root)})}
 
 
+def own_bits_per_byte(model: Path, records: list[dict]) -> float:
+    """The model's bits per byte of its own completions: their expected value, for samples drawn at temperature 1,
+    is its entropy per byte on its own text (a flatter student writes samples it finds less likely)."""
+    from csd_pipeline.runtime.model_loading import load_causal_lm
+    from csd_pipeline.vocab.vocabulary import load_tokenizer
+
+    loaded = load_causal_lm(str(model), dtype="float32", device="cpu")
+    nats, n_bytes = teacher_nats((loaded, load_tokenizer(str(loaded.path))), records)
+    return nats / max(n_bytes, 1) / math.log(2)
+
+
 def teacher_nats(teacher, records: list[dict]) -> tuple[float, int]:
-    """Sum of -ln p_teacher over the completions' teacher tokens (prompt as context), and their bytes."""
+    """Sum of -ln p over the completions' tokens under `teacher` (a model and its tokenizer; the prompt as context),
+    and their bytes."""
     import torch
 
     from csd_pipeline.align.corpus import Document
@@ -308,18 +323,25 @@ def summarize(runs: list[dict]) -> dict:
 def table(report: dict) -> str:
     """A report's figures as a Markdown table: the base, each arm with each seed, and on minus off (`summarize` of the
     runs: the mean of the paired differences, +- half their min-max spread for the teacher's and the held-out
-    figures, the held-out one also relative to off-policy's mean). With per-language held-out figures
-    (--setting multilingual) `heldout_bits_per_byte` is the non-English mean and English has a column of its own."""
+    figures (with two seeds or more), the held-out one also relative to off-policy's mean). Extra columns where every
+    run has the figure: English held-out bits per byte (--setting multilingual, where `heldout_bits_per_byte` is the
+    non-English mean) and the student's own bits per byte of its samples."""
     runs = report["runs"]
     summary = summarize(runs)
-    seeds, english = summary["seeds"], all("heldout_by_language" in r for r in runs)
-    formats = ["{:.4f}", "{:.3f}", "{:.4f}"] + ["{:.4f}"] * english
+    seeds = summary["seeds"]
+    extras = [(title, get) for title, key, get in (
+        ("English", "heldout_by_language", lambda r: r["heldout_by_language"]["en"]),
+        ("the student's own bits/byte of its samples", "own_bits_per_byte_of_samples",
+         lambda r: r["own_bits_per_byte_of_samples"])) if all(key in r for r in runs)]
+    formats = ["{:.4f}", "{:.3f}", "{:.4f}"] + ["{:.4f}"] * len(extras)
 
     def figures(run: dict) -> list[float]:
-        return [run[f] for f in FIGURES] + [run["heldout_by_language"]["en"]] * english
+        return [run[f] for f in FIGURES] + [get(run) for _, get in extras]
 
+    english = bool(extras) and extras[0][0] == "English"
     lines = ["| | teacher bits/byte of the student's samples | distinct 2-grams | held-out bits/byte"
-             + (", non-English mean | English |" if english else " |"), "|---|" + "---|" * len(formats)]
+             + (", non-English mean" if english else "") + "".join(f" | {title}" for title, _ in extras) + " |",
+             "|---|" + "---|" * len(formats)]
     base = next(r for r in runs if r["arm"] == "base")
     lines.append("| base | " + " | ".join(f.format(v) for f, v in zip(formats, figures(base))) + " |")
     by_seed = {(r["arm"], r["seed"]): figures(r) for r in runs if r["seed"] is not None}
@@ -328,10 +350,11 @@ def table(report: dict) -> str:
         lines.append(f"| {arm.replace('_', '-')} (seed {' / '.join(map(str, seeds))}) | " + " | ".join(cells) + " |")
     samples, grams, heldout = (summary["on_minus_off"][f] for f in FIGURES)
     off = summary["arms"]["off_policy"]["heldout_bits_per_byte"]["mean"]
-    cells = [f"{samples['mean']:+.3f} +- {samples['half_spread']:.3f}", f"{grams['mean']:+.3f}",
-             f"{heldout['mean']:+.3f} ({heldout['mean'] / off:+.1%}) +- {heldout['half_spread']:.3f}"]
-    if english:
-        differences = [by_seed["on_policy", s][3] - by_seed["off_policy", s][3] for s in seeds]
+    spread = (lambda figure: f" +- {figure['half_spread']:.3f}") if len(seeds) > 1 else (lambda figure: "")  # one seed: none
+    cells = [f"{samples['mean']:+.3f}{spread(samples)}", f"{grams['mean']:+.3f}",
+             f"{heldout['mean']:+.3f} ({heldout['mean'] / off:+.1%}){spread(heldout)}"]
+    for column in range(len(FIGURES), len(formats)):
+        differences = [by_seed["on_policy", s][column] - by_seed["off_policy", s][column] for s in seeds]
         cells.append(f"{sum(differences) / len(differences):+.3f}")
     lines.append("| on minus off | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -6,7 +6,9 @@ NAME -->`, in the page `PAGES` names for it; everything else in those pages is h
 and `comparison`, the tables of `make bench-quality` and `make bench-compare` (docs/results/quality.json,
 comparison.json); `teachers-data-limited`, `teachers-data-rich` and `teachers-pretrained`, the regimes of `make
 bench-teachers` (teachers.json); `pretrained` and `prune`, the tables of `make bench-pretrained` and `make
-bench-prune`; `onpolicy`, the on-policy rounds of onpolicy-multilingual.json; and `diagnosis`, the held-out
+bench-prune`; `onpolicy`, the on-policy rounds of onpolicy-multilingual.json (CE on the samples), and
+`onpolicy-gkd-kl`, `onpolicy-gkd-reverse-kl`, GKD's way (KD alone, 500 prompts a round; ONPOLICY names each block's
+file); and `diagnosis`, the held-out
 curves of pretrained-diagnosis.json; `gpu`, the runs of `make gpu-check` (gpu_check.json). Each benchmark's block is the text of its module's own table function
 (`--table docs/results/<name>.json` prints the same; for the comparison `python -m bench.experiments.quality
 --comparison --table ...`). To publish a new measurement, copy its bench-results/<name>.json to docs/results/
@@ -38,7 +40,9 @@ PAGES = {"current": "RESULTS.md", "quality": "results/quality.md", "comparison":
          "teachers-data-limited": "results/teachers.md", "teachers-data-rich": "results/teachers.md",
          "teachers-pretrained": "results/teachers.md", "pretrained": "results/pretrained.md",
          "diagnosis": "results/pretrained.md", "prune": "results/prune.md", "onpolicy": "results/onpolicy.md",
-         "gpu": "results/gpu.md"}
+         "onpolicy-gkd-kl": "results/onpolicy.md", "onpolicy-gkd-reverse-kl": "results/onpolicy.md", "gpu": "results/gpu.md"}
+ONPOLICY = {"onpolicy": "onpolicy-multilingual", "onpolicy-gkd-kl": "onpolicy-gkd-kl",  # block -> its JSON
+            "onpolicy-gkd-reverse-kl": "onpolicy-gkd-reverse-kl"}
 COMMAND = "python -m bench.experiments.results"
 
 
@@ -114,7 +118,7 @@ def blocks(results_dir: Path = RESULTS_DIR) -> dict[str, str]:
             "pretrained": f"```\n{pretrained.table(loaded['pretrained'])}\n```",
             "diagnosis": diagnosis(load("pretrained-diagnosis")),
             "prune": f"```\n{prune.table(loaded['prune'])}\n```",
-            "onpolicy": onpolicy.table(load("onpolicy-multilingual")),
+            **{block: onpolicy.table(load(name)) for block, name in ONPOLICY.items()},
             "comparison": quality.comparison_table(loaded["comparison"]),
             "gpu": gpu_check.table(load("gpu_check"))}
 

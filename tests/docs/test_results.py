@@ -57,9 +57,11 @@ def test_a_changed_json_or_a_hand_edited_table_is_caught(tmp_path):
     ("teachers", ("results", 0, "bits_per_byte"), ["current", "teachers-data-limited"]),
     ("teachers", ("reference_bits_per_byte", "pretrained", "student before"), ["teachers-pretrained"]),
     ("onpolicy-multilingual", ("runs", 1, "heldout_by_language", "en"), ["onpolicy"]),
+    ("onpolicy-gkd-kl", ("runs", 2, "teacher_bits_per_byte_of_samples"), ["onpolicy-gkd-kl"]),
+    ("onpolicy-gkd-reverse-kl", ("runs", 1, "heldout_bits_per_byte"), ["onpolicy-gkd-reverse-kl"]),
 ])
 def test_a_changed_number_in_a_new_json_is_caught(tmp_path, name, where, stale):
-    """The tables transcribed into JSON (quality, comparison, teachers) and the on-policy one: a number changed in
+    """The tables transcribed into JSON (quality, comparison, teachers) and the on-policy ones: a number changed in
     the file makes its block (and the summary, where the number is CE's or the best arm's) stale."""
     pages = results.read_pages()
     folder = tmp_path / "results"
