@@ -338,7 +338,7 @@ def table(report: dict) -> str:
     def figures(run: dict) -> list[float]:
         return [run[f] for f in FIGURES] + [get(run) for _, get in extras]
 
-    english = bool(extras) and extras[0][0] == "English"
+    english = any(title == "English" for title, _ in extras)
     lines = ["| | teacher bits/byte of the student's samples | distinct 2-grams | held-out bits/byte"
              + (", non-English mean" if english else "") + "".join(f" | {title}" for title, _ in extras) + " |",
              "|---|" + "---|" * len(formats)]

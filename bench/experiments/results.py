@@ -7,9 +7,8 @@ and `comparison`, the tables of `make bench-quality` and `make bench-compare` (d
 comparison.json); `teachers-data-limited`, `teachers-data-rich` and `teachers-pretrained`, the regimes of `make
 bench-teachers` (teachers.json); `pretrained` and `prune`, the tables of `make bench-pretrained` and `make
 bench-prune`; `onpolicy`, the on-policy rounds of onpolicy-multilingual.json (CE on the samples), and
-`onpolicy-gkd-kl`, `onpolicy-gkd-reverse-kl`, GKD's way (KD alone, 500 prompts a round; ONPOLICY names each block's
-file); and `diagnosis`, the held-out
-curves of pretrained-diagnosis.json; `gpu`, the runs of `make gpu-check` (gpu_check.json). Each benchmark's block is the text of its module's own table function
+`onpolicy-gkd-kl`, `onpolicy-gkd-reverse-kl`, GKD's way (KD alone, 500 prompts a round; ONPOLICY names each
+block's file); `diagnosis`, the held-out curves of pretrained-diagnosis.json; `gpu`, the runs of `make gpu-check` (gpu_check.json). Each benchmark's block is the text of its module's own table function
 (`--table docs/results/<name>.json` prints the same; for the comparison `python -m bench.experiments.quality
 --comparison --table ...`). To publish a new measurement, copy its bench-results/<name>.json to docs/results/
 and run this.
@@ -35,14 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 DOCS = ROOT / "docs"
 RESULTS_MD = DOCS / "RESULTS.md"
 RESULTS_DIR = DOCS / "results"
+ONPOLICY = {"onpolicy": "onpolicy-multilingual", "onpolicy-gkd-kl": "onpolicy-gkd-kl",  # block -> its JSON
+            "onpolicy-gkd-reverse-kl": "onpolicy-gkd-reverse-kl"}
 # the page (relative to docs/) that holds each generated block
 PAGES = {"current": "RESULTS.md", "quality": "results/quality.md", "comparison": "results/comparison.md",
          "teachers-data-limited": "results/teachers.md", "teachers-data-rich": "results/teachers.md",
          "teachers-pretrained": "results/teachers.md", "pretrained": "results/pretrained.md",
-         "diagnosis": "results/pretrained.md", "prune": "results/prune.md", "onpolicy": "results/onpolicy.md",
-         "onpolicy-gkd-kl": "results/onpolicy.md", "onpolicy-gkd-reverse-kl": "results/onpolicy.md", "gpu": "results/gpu.md"}
-ONPOLICY = {"onpolicy": "onpolicy-multilingual", "onpolicy-gkd-kl": "onpolicy-gkd-kl",  # block -> its JSON
-            "onpolicy-gkd-reverse-kl": "onpolicy-gkd-reverse-kl"}
+         "diagnosis": "results/pretrained.md", "prune": "results/prune.md", "gpu": "results/gpu.md",
+         **dict.fromkeys(ONPOLICY, "results/onpolicy.md")}
 COMMAND = "python -m bench.experiments.results"
 
 
