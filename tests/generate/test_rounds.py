@@ -27,6 +27,7 @@ def test_the_round_command_line(tmp_path):
     assert command[:3] == [sys.executable, "-m", "trainer.main"]
     joined = " ".join(command)
     assert "--student PREV" in joined and "--divergence reverse_kl" in joined and "--seed 1" in joined
+    assert "--save-every 0 --no-save-final" in joined  # the export is what the next round reads; no checkpoint
     assert joined.endswith("--kd-scale ratio --kd-weight 1 --lr 1e-4 --batch-size 2")  # KD alone, as GKD
     with_ce = train_command(_config(tmp_path, tmp_path / "s", tmp_path / "p.jsonl", ce=True,
                                     train_args=["--kd-scale fixed --kd-weight 0.5"]), "PREV", tmp_path / "r", seed=0)

@@ -233,6 +233,7 @@ def test_rounds_with_the_output_in_s3_chain_the_exports_and_resume(work, runs, s
             if stage == "generate":
                 assert manifest["config"]["seed"] == r - 1
         assert f"round-{r}/train/export/config.json" in written and f"round-{r}/train/export/model.safetensors" in written
+        assert not any(name.startswith(f"round-{r}/train/checkpoints/") for name in written)  # export only: --no-save-final
         steps = [json.loads(x) for x in written[f"round-{r}/train/metrics.jsonl"].decode().splitlines() if '"step"' in x]
         assert [m["step"] for m in steps] == [1] and not steps[0]["skipped"]
         # GKD: the samples train the divergence alone (CE measured, weighted 0)
