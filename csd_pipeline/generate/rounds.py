@@ -5,9 +5,10 @@ Round r (1-based) writes `DIR/round-r/`: `generated/` (`csd-pipeline generate`),
 `teacher/` (`csd-pipeline teacher-logits`) and `train/` (`csd-train --student <previous export>`, whose
 `train/export/` is the next round's student). As in GKD (Agarwal et al., "On-Policy Distillation of Language
 Models: Learning from Self-Generated Mistakes", ICLR 2024), the student trains on its own samples with the
-divergence alone: cross-entropy on them would only reinforce what it already wrote (`--ce` adds it back). Every step resumes from what is on disk (the stages
-from their markers; a round's training, which keeps no checkpoint, starts again) and a finished step is skipped, so re-running
-the same command continues an interrupted run. Round r samples with seed `seed + r - 1`.
+divergence alone: cross-entropy on them would only reinforce what it already wrote (`--ce` adds it back).
+Every step resumes from what is on disk (the stages from their markers; a round's training, which keeps no
+checkpoint, starts again) and a finished step is skipped, so re-running the same command continues an
+interrupted run. Round r samples with seed `seed + r - 1`.
 
 `--output` may be an object-store URL (`s3://...`): every stage writes there as it does alone, and the
 next round's student, a model the stages load from a local folder, is a checked local copy of the
