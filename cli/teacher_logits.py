@@ -28,6 +28,7 @@ def selector_options(command):
 @config_option(TeacherLogitsConfig, "teacher")
 @config_option(TeacherLogitsConfig, "teacher_server")
 @config_option(TeacherLogitsConfig, "teacher_model")
+@config_option(TeacherLogitsConfig, "server_top_k")
 @config_option(TeacherLogitsConfig, "server_concurrency")
 @config_option(TeacherLogitsConfig, "server_timeout")
 @config_option(TeacherLogitsConfig, "output", type=click.Path(file_okay=False))

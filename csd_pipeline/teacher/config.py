@@ -58,6 +58,10 @@ class TeacherLogitsConfig:
         None, "Instead of --teacher: the URL of an OpenAI-compatible server that returns prompt log-probabilities of "
               "token-id prompts (vLLM; e.g. http://127.0.0.1:8000); it receives each row's exact teacher ids.")
     teacher_model: str | None = option(None, "With --teacher-server: the name the server serves the teacher under.")
+    server_top_k: int | None = option(
+        None, "With --teacher-server and --tail-samples: entries asked of the server per position, more than --top-k "
+              "(at most its logprobs limit); the draws come from those beyond the kept ones, and the mass beyond all "
+              "of them stays in REST (default: --top-k).")
     server_concurrency: int = option(8, "With --teacher-server: requests in flight at once.")
     server_timeout: float = option(600.0, "With --teacher-server: seconds to wait for one answer before failing.")
     check_tokenizer: bool = option(True, "Do not compare the teacher folder's tokenizer.json with the aligned teacher "
@@ -75,6 +79,9 @@ class TeacherLogitsConfig:
         elif not self.teacher:
             raise CsdError("no teacher: pass --teacher (a model folder, GGUF file or fixture name) or --teacher-server "
                            "URL with --teacher-model NAME.")
+        elif self.server_top_k is not None:
+            raise CsdError(f"--server-top-k {self.server_top_k} is what a served teacher is asked for; drop it (the "
+                           f"in-process --teacher {self.teacher} draws --tail-samples from its whole distribution).")
         if self.batch_tokens < 1:
             raise CsdError(f"--batch-tokens {self.batch_tokens} is not positive; pass e.g. {TeacherLogitsConfig.batch_tokens}.")
         if not self.temperature > 0:

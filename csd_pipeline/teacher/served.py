@@ -23,8 +23,12 @@ The request is vLLM's completions request with prompt log-probabilities (vLLM's 
   discards the shard being written), and a re-run resumes at that shard.
 
 The server's log-probabilities are at temperature 1 (prompt log-probabilities take none), which is what the
-store keeps; --temperature other than 1 is refused. Tail samples need the whole distribution, which a server
-does not return: --tail-samples is refused too.
+store keeps; --temperature other than 1 is refused. --tail-samples N draws from the part of the tail that the
+server returns: it is asked for --server-top-k K' entries (K' > --top-k), the draws fall on those beyond the
+kept ones in proportion to their probabilities, and a draw that falls on the mass beyond all K' (1 minus what
+the server returned) is dropped (`selectors.ServedTop`, `tail_samples.draw_served_tail`). Each id among the K'
+keeps an unbiased estimate, as in-process; the mass beyond them stays in REST. The draws of a row are seeded by
+its block's seed and its place in the block, so they do not depend on which answer came first.
 
 Rows go out as `--server-concurrency` requests at once (a thread pool); the server batches them as it can.
 The answers are put back in row order, so the shard's bytes do not depend on which answer came first.
@@ -72,10 +76,14 @@ def check_served_options(config) -> None:
     if not config.teacher_server.startswith(("http://", "https://")):
         raise CsdError(f"--teacher-server {config.teacher_server} is not an http:// or https:// URL; pass e.g. "
                        "http://127.0.0.1:8000.")
-    if config.tail_samples:
-        raise CsdError(f"--tail-samples {config.tail_samples} draws from the teacher's whole distribution, which a "
-                       "served teacher does not return (only its top-k); drop --tail-samples or run the teacher "
-                       "in-process with --teacher.")
+    asked = config.server_top_k
+    if config.tail_samples and (asked is None or asked <= config.top_k):
+        raise CsdError(f"--tail-samples {config.tail_samples} from a served teacher are drawn among the entries it "
+                       f"returns beyond --top-k {config.top_k}; pass --server-top-k above it (e.g. "
+                       f"{4 * config.top_k}, at most the server's logprobs limit: vLLM's --max-logprobs).")
+    if asked is not None and not config.tail_samples:
+        raise CsdError(f"--server-top-k {asked} asks the server for entries that only --tail-samples reads; drop "
+                       "--server-top-k or pass --tail-samples.")
     if config.temperature != 1.0:
         raise CsdError(f"--temperature {config.temperature}: a server's prompt log-probabilities are at temperature "
                        "1; drop --temperature (the trainer applies its own) or run the teacher in-process.")
@@ -159,29 +167,32 @@ class ServedTeacher:
     """The teacher top-k of rows of teacher ids from a server (see the module docstring): the runner of a
     `teacher-logits` run with --teacher-server.
 
-    url, model: --teacher-server and --teacher-model; top_k: the entries asked for per position; vocab_limit: the
-    teacher tokenizer's size; selectors: the store's position selectors (`SelectorChain.position_selectors()`);
-    concurrency: requests in flight; timeout: seconds per request.
+    url, model: --teacher-server and --teacher-model; top_k: the store's --top-k; asked: the entries asked for per
+    position (--server-top-k, at least top_k); vocab_limit: the teacher tokenizer's size; selectors: the store's
+    position selectors (`SelectorChain.position_selectors()`); concurrency: requests in flight; timeout: seconds
+    per request.
     """
 
     device = ServerDevice()
 
     def __init__(self, url: str, model: str, *, top_k: int, vocab_limit: int, selectors: tuple, concurrency: int,
-                 timeout: float):
+                 timeout: float, asked: int | None = None):
         from csd_pipeline.teacher.store.selectors import SelectorChain
 
         self.url = url.rstrip("/")
         self.model = model
         self.top_k = top_k
+        self.asked = max(top_k, asked or top_k)
         self.vocab_limit = vocab_limit
         self.selectors = tuple(selectors)
         self.chain = SelectorChain(self.selectors)
         self.concurrency = concurrency
         self.timeout = timeout
         self._client = None
-        if any(selector.needs_distribution for selector in self.selectors):
+        self._block_seed = None
+        if any(selector.needs_distribution and not selector.served for selector in self.selectors):
             raise CsdError("a selector of this run needs the teacher's whole distribution, which a served teacher "
-                           "does not return; drop --tail-samples or run the teacher in-process with --teacher.")
+                           "does not return; run the teacher in-process with --teacher.")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_client": None}  # a copy for another process opens its own connections
@@ -242,20 +253,35 @@ class ServedTeacher:
         """The completions request of one row: its exact ids plus one (module docstring), K prompt log-probs."""
         prompt = [int(i) for i in row] + [int(row[-1])]
         return {"model": self.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": self.top_k}
+                "prompt_logprobs": self.asked}
 
-    def _row(self, row: np.ndarray) -> TeacherTopkRow:
+    def _row(self, row: np.ndarray, index: int) -> TeacherTopkRow:
+        """The store's entries of one row, the `index`-th of its block."""
         answer = self._call("POST", COMPLETIONS_PATH, self.request(row))
-        ids, logprobs, observed = prompt_entries(answer, row, self.top_k, self.vocab_limit, self.url)
+        ids, logprobs, observed = prompt_entries(answer, row, self.asked, self.vocab_limit, self.url)
         next_ids = np.append(np.asarray(row[1:], dtype=np.int64), -1)
-        entries = Entries(ids, logprobs, np.full(len(row), self.top_k, np.int64), observed, next_ids)
+        entries = Entries(ids, logprobs, np.full(len(row), self.asked, np.int64), observed, next_ids)
+        top = self._served_top(entries, index) if self.asked > self.top_k else None
         for selector in self.selectors:
-            entries = selector.cut(entries, None)
+            entries = selector.cut(entries, top)
         return TeacherTopkRow(None, entries.ids, entries.logprobs, entries.observed, int(RowStatus.OK),
                               entries.lengths)
 
+    def _served_top(self, entries: Entries, index: int):
+        """The server's K' entries of a row as the draws read them, with the row's own generator."""
+        import torch
+
+        from csd_pipeline.teacher.store.selectors import ServedTop
+        from csd_pipeline.teacher.store.selectors.tail_samples import block_seed
+
+        seed = block_seed(self._block_seed or 0, str(index))
+        return ServedTop(entries.ids.astype(np.int64), entries.logprobs.astype(np.float64),
+                         entries.observed.astype(np.float64), entries.next_ids,
+                         torch.Generator().manual_seed(seed))
+
     def seed(self, seed: int) -> None:
-        """Nothing draws (tail samples are refused); kept for the runner's interface."""
+        """The seed of the next block's draws (each row's generator: this seed and the row's place in the block)."""
+        self._block_seed = int(seed)
 
     def run(self, rows: list[np.ndarray]) -> list[TeacherTopkRow]:
         """The `TeacherTopkRow` of every row (int teacher ids, each non-empty), in the given order."""
@@ -265,7 +291,7 @@ class ServedTeacher:
 
         results: list[TeacherTopkRow | None] = [None] * len(rows)
         with ThreadPoolExecutor(self.concurrency) as pool:
-            futures = [pool.submit(self._row, row) for row in rows]
+            futures = [pool.submit(self._row, row, index) for index, row in enumerate(rows)]
             try:
                 for index, future in enumerate(futures):
                     results[index] = future.result()
@@ -281,6 +307,6 @@ def served_teacher(config, chain, vocab_size: int) -> ServedTeacher:
     """The `ServedTeacher` of a `TeacherLogitsConfig` with --teacher-server, its model checked on the server."""
     teacher = ServedTeacher(config.teacher_server, config.teacher_model, top_k=chain.top_k, vocab_limit=vocab_size,
                             selectors=chain.position_selectors(), concurrency=config.server_concurrency,
-                            timeout=float(config.server_timeout))
+                            timeout=float(config.server_timeout), asked=config.server_top_k)
     teacher.check_model()
     return teacher

@@ -135,6 +135,8 @@ class TeacherLogitsStage(Stage):
         if self.loaded is None:  # served: the model's name, not the URL (a restarted server may move)
             teacher = {"served_model": self.config.teacher_model, "tokenizer_fingerprint": self.tokenizer.fingerprint,
                        "tokenizer_size": self.tokenizer.size}
+            if self.config.server_top_k:  # the draws' reach (--tail-samples); recorded only when set
+                teacher["server_top_k"] = int(self.config.server_top_k)
             return {"teacher": teacher, "aligned": {"manifest_sha256": self.aligned.manifest_sha256(),
                                                     "shards": len(self.aligned.shards)}}
         return {

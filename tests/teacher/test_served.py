@@ -99,7 +99,12 @@ def config(**options):
 
 
 @pytest.mark.parametrize(("options", "fragment"), [
-    ({"tail_samples": 4}, "--tail-samples 4 draws from the teacher's whole distribution"),
+    ({"tail_samples": 4}, "--tail-samples 4 from a served teacher are drawn among the entries it returns beyond "
+                          "--top-k 32; pass --server-top-k above it"),
+    ({"tail_samples": 4, "server_top_k": 32}, "pass --server-top-k above it"),
+    ({"server_top_k": 64}, "--server-top-k 64 asks the server for entries that only --tail-samples reads"),
+    ({"teacher_server": None, "teacher_model": None, "teacher": "gemma3-270m", "server_top_k": 64},
+     "--server-top-k 64 is what a served teacher is asked for"),
     ({"temperature": 2.0}, "--temperature 2.0: a server's prompt log-probabilities are at temperature 1"),
     ({"teacher": "gemma3-270m"}, "both name a teacher"),
     ({"teacher_model": None}, "needs --teacher-model"),
@@ -115,8 +120,20 @@ def test_options_a_served_teacher_cannot_honour_are_refused_naming_them(options,
     assert "\n" not in str(refused.value)
 
 
-def test_min_p_and_top_p_are_allowed(case):
+def test_every_option_of_the_stage_is_a_flag_of_the_command():
+    """Each `TeacherLogitsConfig` field is a `teacher-logits` flag (--server-top-k was once left out)."""
+    from dataclasses import fields
+
+    from cli.teacher_logits import teacher_logits
+    from csd_pipeline.teacher.config import TeacherLogitsConfig
+
+    flags = {parameter.name for parameter in teacher_logits.params}
+    assert {field.name for field in fields(TeacherLogitsConfig)} <= flags
+
+
+def test_min_p_top_p_and_tail_samples_beyond_the_top_k_are_allowed(case):
     config(min_p=0.01, top_p=0.9).validate()
+    config(tail_samples=8, server_top_k=64, top_k=16).validate()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -189,3 +189,49 @@ def test_a_server_that_is_gone_is_one_line(aligned, tmp_path):  # noqa: F811
     message = _error_line(served_config(aligned, output, url))
     assert url in message and "cannot be reached" in message and "start it" in message
     assert not (output / "manifest.json").exists()
+
+
+def test_tail_samples_are_drawn_among_the_servers_entries_beyond_the_top_k(aligned, server, teacher_dir, tmp_path):  # noqa: F811
+    """--top-k 3 --server-top-k K --tail-samples 6: every entry stored beyond a position's top-3 and its observed
+    token is one of the float64 forward's K most likely ids, at log(c x m / 6) for a count c of 1..6, m the float64
+    tail mass (1 - the top-3 - the observed token; within the codec's error and the server's float32 arithmetic);
+    each row draws with its own generator, so another --server-concurrency writes the same bytes."""
+    from csd_pipeline import read_teacher_topk
+    from csd_pipeline.teacher.stage import run_teacher_logits
+    from csd_pipeline.teacher.store.codec import MAX_ABS_ERROR
+    from csd_pipeline.teacher.store.reader import TeacherTopkOutput
+    from tests.reliability.cases import tree
+    from tests.teacher.test_stage import aligned_rows
+
+    options = {"top_k": 3, "server_top_k": K, "tail_samples": 6}
+    outputs = [tmp_path / "four", tmp_path / "one"]
+    for output, concurrency in zip(outputs, (4, 1)):
+        config = served_config(aligned, output, server[0], server_concurrency=concurrency, **options)
+        assert run_teacher_logits(config, log=None).complete
+    assert tree(outputs[0]) == tree(outputs[1])
+    assert TeacherTopkOutput.open(outputs[0]).manifest["teacher"]["server_top_k"] == K
+    other = _error_line(served_config(aligned, outputs[1], server[0], **{**options, "server_top_k": K - 1}))
+    assert "server_top_k" in other, other  # the draws' reach is part of the run's identity
+    checked = drawn = 0
+    for index, (row, (_, _, ids)) in enumerate(zip(read_teacher_topk(outputs[0]), aligned_rows(aligned))):
+        if index == REFERENCE_ROWS:
+            break
+        exact = reference(teacher_dir, index, ids)
+        for t in range(len(ids) - 1):
+            order = np.argsort(-exact[t])
+            gaps = exact[t, order[[2, K - 1]]] - exact[t, order[[3, K]]]
+            top3, observed = order[:3], int(ids[t + 1])
+            tail = 1.0 - np.exp(exact[t, top3]).sum() - (0.0 if observed in top3 else np.exp(exact[t, observed]))
+            if gaps.min() < 1e-3 or tail < 0.05:
+                continue  # a near tie the server's float32 may order otherwise, or a tail its rounding dominates
+            checked += 1
+            n = int(row.lengths[t])
+            assert set(top3) <= set(row.ids[t, :n].tolist())
+            for token, value in zip(row.ids[t, :n], row.logprobs[t, :n]):
+                if token in top3 or token == observed:
+                    continue
+                drawn += 1
+                assert token in order[:K], (index, t, token)
+                counts = np.exp(value - np.log(tail)) * 6
+                assert abs(np.log(counts / round(counts))) <= MAX_ABS_ERROR + 0.02 and 1 <= round(counts) <= 6
+    assert checked > 100 and drawn > 100, (checked, drawn)

@@ -63,6 +63,22 @@ class Distribution:
     generator: object
 
 
+@dataclass
+class ServedTop:
+    """The K' most likely entries of one row's positions as a served teacher returned them (`teacher-logits
+    --teacher-server --server-top-k`), in place of the `Distribution` for the selectors that draw
+    (`Selector.served`): its tail is known only among them.
+
+    ids int64 [P, K'] and logprobs float64 [P, K']: most likely first; observed float64 [P]: the observed next
+    token's log-prob (NaN where none); next_ids int64 [P] (-1 where none); generator: the row's `torch.Generator`."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    observed: np.ndarray
+    next_ids: np.ndarray
+    generator: object
+
+
 class Selector:
     """One cut of the teacher store (see the module docstring). Subclasses are frozen dataclasses of plain
     values (they cross process boundaries)."""
@@ -72,6 +88,7 @@ class Selector:
     exact = True                # the kept values are the most likely entries at their exact log-probabilities
     inexact = ""                # what the store holds instead, when not exact (completes "... but DIR ...")
     needs_distribution = False  # cut() reads the whole softmax: it can only run inside the forward
+    served = False              # with needs_distribution: cut() can read a served teacher's `ServedTop` instead
     reads_aligned = False       # row_cut() reads the aligned chunks of each row: it runs in the writer's scope
 
     @classmethod

@@ -18,6 +18,12 @@ teacher's whole mass in expectation (the importance-sampled KD of sparse logit s
   them, it is stored too, at its exact value: the encoding codes an observed value outside the entries
   as a gap below the position's last stored value (`codec.encode_block`), which must not be negative.
 
+A served teacher (`--teacher-server`) returns only its --server-top-k K' most likely entries of each position:
+there the tail is drawn among the K' that are not kept (nor the observed token), each with probability p_i / m as
+above, and a draw that falls on the mass beyond the K' (m minus theirs) is dropped (`draw_served_tail`). An id
+among the K' is drawn exactly as often as in-process, so its estimate is as unbiased; ids beyond the K' are never
+stored, and their mass stays in REST.
+
 Draws come from a `torch.Generator` seeded per block of rows (`TailSamples.block_seed`: `--sample-seed` and the
 block's first row id), so a re-run of a shard draws the same ids: the same bytes on the same device (a
 GPU batch split after running out of memory draws anew).
@@ -34,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from csd_pipeline.errors import CsdError
-from csd_pipeline.teacher.store.selectors import Distribution, Entries, Selector
+from csd_pipeline.teacher.store.selectors import Distribution, Entries, Selector, ServedTop
 
 
 def block_seed(sample_seed: int, first_row_id: str) -> int:
@@ -70,6 +76,35 @@ def draw_tail(weights, indices, kept, next_ids, total, samples: int, generator, 
     if bool(has_tail.any()):
         draws[has_tail] = torch.multinomial(weights[has_tail], samples, replacement=True, generator=generator)
     return draws, torch.where(has_tail, log_tail, torch.full_like(log_tail, -np.inf))
+
+
+def draw_served_tail(top, kept, samples: int):
+    """Draw `samples` tail ids per position among a served teacher's K' entries (module docstring).
+
+    top: the row's `ServedTop`; kept: int [P] how many of its first entries the store keeps (>= 1).
+    Returns (draws int64 [P, samples], -1 where a draw fell beyond the K' or the tail is empty; log_tail float64
+    [P] the log of the tail's probability m, -inf where empty), as `draw_tail` does.
+    """
+    import torch
+
+    positions, width = top.ids.shape
+    probs = np.exp(top.logprobs)
+    is_kept = np.arange(width)[None, :] < np.asarray(kept)[:, None]
+    is_observed = top.ids == top.next_ids[:, None]
+    observed = np.where(np.isnan(top.observed), 0.0, np.exp(top.observed))
+    extra = np.where(is_kept | is_observed, 0.0, probs)
+    tail = 1.0 - (probs * is_kept).sum(axis=1) - np.where((is_kept & is_observed).any(axis=1), 0.0, observed)
+    tail = np.maximum(tail, extra.sum(axis=1))  # the server's rounding must not leave the K' more than the tail
+    weights = np.concatenate([extra, (tail - extra.sum(axis=1))[:, None]], axis=1)
+    draws = np.full((positions, samples), -1, dtype=np.int64)
+    has_tail = tail > 0
+    if has_tail.any():
+        columns = torch.multinomial(torch.from_numpy(weights[has_tail]), samples, replacement=True,
+                                    generator=top.generator).numpy()
+        beyond = np.full((int(has_tail.sum()), 1), -1, dtype=np.int64)
+        draws[has_tail] = np.take_along_axis(np.concatenate([top.ids[has_tail], beyond], axis=1), columns, axis=1)
+    with np.errstate(divide="ignore"):
+        return draws, np.where(has_tail, np.log(tail), -np.inf)
 
 
 def merge_tail(ids, logprobs, kept, draws, log_tail, observed_ids, observed):
@@ -128,6 +163,7 @@ class TailSamples(Selector):
     exact = False
     inexact = "holds --tail-samples draws at estimated values (teacher-logits --tail-samples)"
     needs_distribution = True
+    served = True
 
     @classmethod
     def check_options(cls, config) -> None:
@@ -159,9 +195,14 @@ class TailSamples(Selector):
 
         if distribution is None:
             raise ValueError("tail samples are drawn from the teacher's whole distribution, inside the forward")
-        kept = torch.from_numpy(entries.lengths).to(distribution.indices.device)
-        draws, log_tail = draw_tail(distribution.weights, distribution.indices, kept, distribution.next_ids,
-                                    distribution.total, self.samples, distribution.generator, distribution.vocab_limit)
-        ids, logprobs, lengths = merge_tail(entries.ids, entries.logprobs, entries.lengths, draws.cpu().numpy(),
-                                            log_tail.cpu().numpy(), entries.next_ids, entries.observed)
+        if isinstance(distribution, ServedTop):
+            draws, log_tail = draw_served_tail(distribution, entries.lengths, self.samples)
+        else:
+            kept = torch.from_numpy(entries.lengths).to(distribution.indices.device)
+            draws, log_tail = draw_tail(distribution.weights, distribution.indices, kept, distribution.next_ids,
+                                        distribution.total, self.samples, distribution.generator,
+                                        distribution.vocab_limit)
+            draws, log_tail = draws.cpu().numpy(), log_tail.cpu().numpy()
+        ids, logprobs, lengths = merge_tail(entries.ids, entries.logprobs, entries.lengths, draws, log_tail,
+                                            entries.next_ids, entries.observed)
         return replace(entries, ids=ids, logprobs=logprobs, lengths=lengths)

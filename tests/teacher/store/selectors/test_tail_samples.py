@@ -154,3 +154,51 @@ def test_the_selector_draws_as_the_two_steps_do(positions):
     np.testing.assert_array_equal(cut.ids, ids)
     np.testing.assert_array_equal(cut.logprobs, logprobs)
     np.testing.assert_array_equal(cut.lengths, lengths)
+
+
+SERVED = 16  # a served teacher's --server-top-k: the entries it returns per position (K < SERVED < VOCAB)
+
+
+def test_served_draws_are_unbiased_among_the_servers_entries_and_drop_the_rest(positions):
+    """A served teacher returns its SERVED most likely entries (float64 values here) and the tail is drawn among
+    them (`ServedTop`, `draw_served_tail`): over 3,000 repetitions the mean stored probability of every id among
+    them that is neither kept nor observed is its float64 probability (within 5 standard errors), no id beyond them
+    is ever stored, and the share of dropped draws is the mass beyond them over the tail's (5 standard errors)."""
+    import torch
+
+    from csd_pipeline.teacher.store.selectors import Entries, ServedTop, TailSamples
+
+    logits, kept, next_ids = positions
+    exact = reference(logits)  # the whole-output normaliser, as a server's log-probabilities have it
+    order = np.argsort(-logits[:, :VOCAB], axis=1, kind="stable")
+    runs, n_pos = 3000, len(logits)
+    served_ids = np.tile(order[:, :SERVED], (runs, 1))
+    served_lp = np.take_along_axis(np.tile(exact, (runs, 1)), served_ids, axis=1)
+    observed = np.array([exact[t, next_ids[t]] if next_ids[t] >= 0 else np.nan for t in range(n_pos)])
+    nxt, obs = np.tile(next_ids, runs), np.tile(observed, runs)
+    entries = Entries(served_ids[:, :K].astype(np.int32), served_lp[:, :K].astype(np.float32), np.tile(kept, runs),
+                      obs.astype(np.float32), nxt)
+    top = ServedTop(served_ids, served_lp, obs, nxt, torch.Generator().manual_seed(0))
+    cut = TailSamples(DRAWS).cut(entries, top)
+    ids, logprobs = cut.ids.reshape(runs, n_pos, -1), cut.logprobs.reshape(runs, n_pos, -1)
+    stored = np.arange(ids.shape[2])[None, None, :] < cut.lengths.reshape(runs, n_pos, 1)
+    p = np.exp(exact)
+    for t in range(n_pos):
+        kept_ids, among = order[t, :kept[t]], order[t, :SERVED]
+        drawn = stored[:, t] & ~np.isin(ids[:, t], kept_ids) & (ids[:, t] != next_ids[t])
+        assert np.all(np.isin(ids[:, t][drawn], among))  # nothing beyond the server's entries
+        total = np.zeros(OUTPUTS)
+        np.add.at(total, ids[:, t][drawn], np.exp(logprobs[:, t][drawn].astype(np.float64)))
+        tail = np.isin(np.arange(OUTPUTS), among) & ~np.isin(np.arange(OUTPUTS), kept_ids)
+        observed_p = 0.0
+        if next_ids[t] >= 0:
+            tail[next_ids[t]] = False
+            observed_p = 0.0 if next_ids[t] in kept_ids else p[t, next_ids[t]]
+        mass = 1.0 - p[t, kept_ids].sum() - observed_p  # the padded rows' mass too: beyond the server's entries
+        standard_error = np.sqrt(mass * p[t, tail] * (1 - p[t, tail] / mass) / DRAWS / runs)
+        assert np.all(np.abs(total[tail] / runs - p[t, tail]) <= 5 * standard_error + 1e-9 * mass), t
+        # the draws that fell beyond: DRAWS * runs trials of probability (mass beyond) / mass
+        counts = np.rint(np.exp(logprobs[:, t][drawn].astype(np.float64)) * DRAWS / mass).sum()
+        beyond = 1.0 - p[t, tail].sum() / mass
+        dropped = 1.0 - counts / (DRAWS * runs)
+        assert abs(dropped - beyond) <= 5 * np.sqrt(beyond * (1 - beyond) / DRAWS / runs) + 1e-9, t
