@@ -17,6 +17,8 @@ The request is vLLM's completions request with prompt log-probabilities (vLLM's 
   token i a dict keyed by token id (as a string) of the K most likely ids at that position plus token i itself
   (K + 1 entries when it is not among them), each `{"logprob": float, ...}`. Entry i + 1 is the store's
   position i (the distribution that predicts token i + 1, SPEC §6).
+- A request whose connection fails (a kept-alive connection reset, a server restarting) or that a proxy answers
+  502-504 is sent again, three times at most, 0.5, 1 and 2 s apart: the answers are pure functions of the ids.
 - Anything else is refused, naming the server and the fix: fewer than K entries, an id outside the teacher
   tokenizer, a non-finite value, an HTTP error (vLLM answers 400 when K exceeds its --max-logprobs), no
   answer within --server-timeout, no server at the address. Nothing of a shard is kept then (the executor
@@ -37,6 +39,7 @@ The answers are put back in row order, so the shard's bytes do not depend on whi
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +51,8 @@ from csd_pipeline.teacher.store.selectors import Entries
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
+RETRIES, RETRY_PAUSE = 3, 0.5  # a request whose connection fails, or answered TRANSIENT, is sent again (seconds)
+TRANSIENT = (502, 503, 504)
 
 
 @dataclass(frozen=True)
@@ -212,13 +217,33 @@ class ServedTeacher:
             self._client = httpx.Client(timeout=self.timeout, limits=limits)
         return self._client
 
+    def _send(self, method: str, path: str, body: dict | None):
+        """The server's response to one request, sent again (RETRIES times at most, after RETRY_PAUSE x 2^i s) while
+        the connection fails or the server says it is busy (TRANSIENT): a kept-alive connection that the server
+        closed as a request went out is reset, and a proxy may answer 502-504 a moment. The requests are pure (the
+        same ids give the same answer), so sending one twice changes nothing. A timeout is not retried."""
+        import httpx
+
+        for attempt in range(RETRIES + 1):
+            try:
+                response = self._http().request(method, self.url + path, json=body)
+            except httpx.TimeoutException:
+                raise
+            except httpx.TransportError:
+                if attempt == RETRIES:
+                    raise
+            else:
+                if response.status_code not in TRANSIENT or attempt == RETRIES:
+                    return response
+            time.sleep(RETRY_PAUSE * 2 ** attempt)
+
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         """The decoded JSON answer of one request; `ServedTeacherError` (one line) for anything else."""
         import httpx
 
         where = self.url
         try:
-            response = self._http().request(method, self.url + path, json=body)
+            response = self._send(method, path, body)
         except httpx.TimeoutException:
             raise ServedTeacherError(
                 f"teacher server {where} did not answer within --server-timeout {self.timeout:g} s; check that it "

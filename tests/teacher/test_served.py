@@ -188,3 +188,64 @@ def test_a_served_store_reads_back_as_the_in_process_one(aligned, tiny_teacher, 
     assert [s["file"] for s in served_out.manifest["shards"]] == [s["file"] for s in local_out.manifest["shards"]]
     assert served_out.selectors().names == local_out.selectors().names
     assert served_out.manifest["teacher"]["served_model"] == "tiny"
+
+
+# ---------------------------------------------------------------------------------------------
+# Transient failures: a raw HTTP server on 127.0.0.1 that takes one action per connection (closes it with a reset,
+# answers 503, or answers 200 with a JSON body and closes), so the client needs a new connection each time.
+
+
+def scripted_server(actions: list):
+    """(URL, connections served) of a server that takes actions[i] on its i-th connection ("reset", or an HTTP
+    status), the last action for every connection after them; a daemon thread, on 127.0.0.1."""
+    import json
+    import socket
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    served = []
+    body = json.dumps({"data": [{"id": "m"}]}).encode()
+
+    def serve():
+        while True:
+            connection, _ = listener.accept()
+            action = actions[min(len(served), len(actions) - 1)]
+            served.append(action)
+            with connection:
+                connection.recv(65536)
+                if action == "reset":  # SO_LINGER 0: the close sends RST, as a dropped kept-alive connection does
+                    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    continue
+                head = f"HTTP/1.1 {action} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                connection.sendall(head.encode() + b"Connection: close\r\n\r\n" + body)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", served
+
+
+def teacher_at(url: str):
+    from csd_pipeline.teacher.served import ServedTeacher
+
+    return ServedTeacher(url, "m", top_k=K, vocab_limit=VOCAB, selectors=(), concurrency=1, timeout=10)
+
+
+@pytest.mark.parametrize("actions", [["reset", 200], ["reset", 503, "reset", 200], [502, 504, 200]])
+def test_a_reset_connection_or_a_busy_answer_is_sent_again(actions, monkeypatch):
+    from csd_pipeline.teacher import served as served_module
+
+    monkeypatch.setattr(served_module, "RETRY_PAUSE", 0.01)
+    url, served = scripted_server(actions)
+    teacher_at(url).check_model()  # GET /v1/models lists "m"
+    assert served == actions
+
+
+@pytest.mark.parametrize(("action", "fragment"), [("reset", "cannot be reached"), (503, "HTTP 503")])
+def test_a_failure_that_persists_is_one_line_after_the_retries(action, fragment, monkeypatch):
+    from csd_pipeline.teacher import served as served_module
+
+    monkeypatch.setattr(served_module, "RETRY_PAUSE", 0.01)
+    url, served = scripted_server([action])
+    with pytest.raises(ServedTeacherError) as failure:
+        teacher_at(url).check_model()
+    assert fragment in str(failure.value) and url in str(failure.value) and "\n" not in str(failure.value)
+    assert len(served) == served_module.RETRIES + 1
