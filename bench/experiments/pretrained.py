@@ -117,6 +117,7 @@ def train_arm(regime: str, arm: str, seed: int, dirs: dict, out: Path, steps: in
     log = fresh_run(target, log, threads)
     exp = experiment("pretrained")
     recipe = exp.arms_of(regime)[arm]
+    steps = int(recipe.options.get("steps", steps))  # an arm may tune the steps too (CE's, issue 40)
     started = time.perf_counter()
     run([BIN / "csd-train", *train_config_args(exp, recipe), "--aligned", dirs["aligned"], "--teacher-logits",
          dirs["teacher"], "--student", STUDENT, "--output", target, "--no-save-final", "--steps", steps, "--seed", seed, "--eval-aligned", dirs["heldout"],
