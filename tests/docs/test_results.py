@@ -98,5 +98,5 @@ def test_the_summary_row_is_the_mean_over_seeds_of_the_json():
     row = next(line for line in results.blocks()["current"].splitlines() if "bench-pretrained" in line)
     assert (f"| {mean[ce]:.4f} (`{ce}`) | `{best}` | {mean[best]:.4f} | {100 * (mean[best] / mean[ce] - 1):+.2f}% |"
             in row)
-    assert (best, ce, round(mean[best], 4), round(mean[ce], 4)) == ("csd kl b1 t1.5 fixed0.5", "ce lr2.5e-5", 1.5432,
-                                                                    1.5808)
+    assert (best, ce, round(mean[best], 4), round(mean[ce], 4)) == ("csd kl b1 t1.5 fixed0.5 lr1e-4 s60",
+                                                                    "ce lr7e-5 s60", 1.533, 1.5472)
