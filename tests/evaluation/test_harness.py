@@ -34,11 +34,19 @@ def test_a_missing_lm_eval_is_one_error_line_saying_how_to_install(run_cli, monk
     _one_error_line(code, out, err, "pip install 'csd-pipeline[eval]'")
 
 
+@pytest.fixture(scope="module")
+def user_tasks(tmp_path_factory):
+    """A user's task folder, the same for the two tests that index the harness's registry: the process indexes it
+    once per set of task folders (`harness.task_manager`), about 5 s each."""
+    folder = tmp_path_factory.mktemp("user-tasks")
+    (folder / "mine.yaml").write_text("task: my_own_task\ndataset_path: json\noutput_type: multiple_choice\n")
+    return folder
+
+
 @pytest.mark.slow   # indexing the harness's ~14,000 task names takes about 8 s
-def test_list_tasks_puts_the_projects_first_then_the_users_then_the_harness(run_cli, tmp_path):
+def test_list_tasks_puts_the_projects_first_then_the_users_then_the_harness(run_cli, user_tasks):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
-    (tmp_path / "mine.yaml").write_text("task: my_own_task\ndataset_path: json\noutput_type: multiple_choice\n")
-    code, out, err = run_cli(["evaluate", "--list-tasks", "--include-path", tmp_path])
+    code, out, err = run_cli(["evaluate", "--list-tasks", "--include-path", user_tasks])
     assert code == 0, err
     names = out.splitlines()
     assert names[:4] == PROJECT_TASKS and names[4] == "my_own_task"
@@ -46,11 +54,11 @@ def test_list_tasks_puts_the_projects_first_then_the_users_then_the_harness(run_
 
 
 @pytest.mark.slow   # a few seconds of training or a model load: the fast tier's budget is 90 s
-def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_path):
+def test_an_unknown_task_and_a_missing_model_are_one_error_line(run_cli, tmp_path, user_tasks):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'csd-pipeline[eval]')")
     output = tmp_path / "r.json"
     code, out, err = run_cli(["evaluate", "--model", "smollm2-135m-instruct", "--tasks", "csd_next_sentence,no_such_task",
-                              "--output", output])
+                              "--include-path", user_tasks, "--output", output])
     _one_error_line(code, out, err, "unknown task no_such_task")
     code, out, err = run_cli(["evaluate", "--model", tmp_path / "no-such-export", "--tasks", "csd_next_sentence",
                               "--output", output])
