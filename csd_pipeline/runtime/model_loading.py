@@ -276,10 +276,14 @@ def gguf_load_patched(active: bool):
     import gguf
     import transformers.modeling_gguf_pytorch_utils as loader
 
-    originals = gguf.get_tensor_name_map, loader.tqdm
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(originals[0])
-    loader.tqdm = functools.partial(originals[1], disable=True)
+    patches = [(module, name, wrap) for module, name, wrap in (
+        (gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)),
+        (loader, "tqdm", lambda bar: functools.partial(bar, disable=True))) if hasattr(module, name)]  # other versions
+    originals = [getattr(module, name) for module, name, _ in patches]
+    for (module, name, wrap), original in zip(patches, originals):
+        setattr(module, name, wrap(original))
     try:
         yield
     finally:
-        gguf.get_tensor_name_map, loader.tqdm = originals
+        for (module, name, _), original in zip(patches, originals):
+            setattr(module, name, original)
