@@ -13,7 +13,7 @@ import json
 import os
 import pickle
 import re
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,17 +273,15 @@ def gguf_load_patched(active: bool):
     if not active:
         yield
         return
+    from unittest import mock
+
     import gguf
     import transformers.modeling_gguf_pytorch_utils as loader
 
-    patches = [(module, name, wrap) for module, name, wrap in (
-        (gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)),
-        (loader, "tqdm", lambda bar: functools.partial(bar, disable=True))) if hasattr(module, name)]  # other versions
-    originals = [getattr(module, name) for module, name, _ in patches]
-    for (module, name, wrap), original in zip(patches, originals):
-        setattr(module, name, wrap(original))
-    try:
+    with ExitStack() as patches:  # each only where the installed version has it
+        if hasattr(gguf, "get_tensor_name_map"):
+            patches.enter_context(mock.patch.object(
+                gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)))
+        if hasattr(loader, "tqdm"):
+            patches.enter_context(mock.patch.object(loader, "tqdm", functools.partial(loader.tqdm, disable=True)))
         yield
-    finally:
-        for (module, name, _), original in zip(patches, originals):
-            setattr(module, name, original)
